@@ -1,0 +1,33 @@
+"""petals-core: run large language models collaboratively, with model families as plugins."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from petals.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+# Public names, imported on first access so that `import petals` stays cheap.
+_LAZY = {
+    "AutoDistributedConfig": "petals.auto",
+    "ClientConfig": "petals.config",
+    "PTuneConfig": "petals.config",
+    "LMHeadConfig": "petals.config",
+    "DistributedConfigMixin": "petals.config",
+    "LazyClass": "petals.config",
+    "KVCacheLayout": "petals.kv_cache",
+    "BlockCache": "petals.kv_cache",
+    "ServerBlockMixin": "petals.block",
+    "load_block": "petals.loading",
+    "get_plugin_manager": "petals.plugins",
+}
+
+__all__ = ["__version__", "hookimpl", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'petals' has no attribute {name!r}")

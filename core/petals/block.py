@@ -1,0 +1,83 @@
+"""What every server-side block shares: building it, its positions, masks and cache.
+
+A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer, built with
+``layer_idx=0`` so that it reads and writes the single layer of its own ``BlockCache``. Its
+``forward(hidden_states, cache=None)`` derives positions from the cache length and calls the HF
+layer with exactly the arguments the full HF model would pass.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import ClassVar
+
+import torch
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+
+from petals.kv_cache import BlockCache, KVCacheLayout
+from petals.plugins import get_plugin_manager
+
+
+class ServerBlockMixin:
+    """Mixed in front of an HF decoder layer class: ``class XBlock(ServerBlockMixin, XDecoderLayer)``."""
+
+    # the attention implementation transformers chooses for this family's full model by default
+    attn_implementation: ClassVar[str] = "sdpa"
+    config: PretrainedConfig
+
+    @classmethod
+    def prepare_config(cls, config: PretrainedConfig) -> PretrainedConfig:
+        """A copy of ``config`` with the attention implementation the full model would use."""
+        config = copy.deepcopy(config)
+        if getattr(config, "_attn_implementation", None) is None:
+            config._attn_implementation = cls.attn_implementation
+        return config
+
+    @staticmethod
+    def position_ids(hidden_states: torch.Tensor, cache: BlockCache | None) -> torch.LongTensor:
+        start = cache.get_seq_length() if cache is not None else 0
+        return torch.arange(start, start + hidden_states.shape[1], device=hidden_states.device)[None]
+
+    def causal_mask(
+        self,
+        hidden_states: torch.Tensor,
+        cache: BlockCache | None,
+        position_ids: torch.LongTensor,
+        mask_function=create_causal_mask,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """The mask the full model builds before its layers (None where sdpa's is_causal suffices)."""
+        return mask_function(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=None,
+            cache=cache,
+            position_ids=position_ids,
+            layer_idx=0 if cache is not None else None,
+            **kwargs,
+        )
+
+
+def block_class(config: PretrainedConfig) -> type[torch.nn.Module]:
+    return get_plugin_manager().hook.block_class(config=config)
+
+
+def kv_cache_layout(config: PretrainedConfig) -> KVCacheLayout:
+    return get_plugin_manager().hook.kv_cache_layout(config=config)
+
+
+def make_block(config: PretrainedConfig) -> torch.nn.Module:
+    """A block with freshly initialised weights (wrap in ``torch.device("meta")`` to skip allocation)."""
+    return block_class(config)(config)
+
+
+def allocate_cache(
+    config: PretrainedConfig,
+    batch_size: int,
+    max_length: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> BlockCache:
+    """A cache for one block of one session, sized by the family's KV layout."""
+    return BlockCache(kv_cache_layout(config), batch_size, max_length, dtype, device)

@@ -1,0 +1,175 @@
+"""Load one block's weights from a Hugging Face-layout checkpoint, reading nothing else.
+
+Checkpoints are found in a local directory or in the Hugging Face cache (a hub download when the
+hub is reachable). A sharded checkpoint (``model.safetensors.index.json``) is read only from the
+shards holding the block; tensors are read one by one with ``safetensors``. Pickle checkpoints
+(``pytorch_model.bin``) are refused: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from petals.block import make_block
+from petals.plugins import get_plugin_manager
+
+logger = logging.getLogger(__name__)
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_FILES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint is missing, incomplete or in a format we do not load."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a checkpoint's tensors live: tensor name → file (resolved lazily for hub repos)."""
+
+    source: str
+    weight_map: dict[str, str]  # tensor name -> file name inside the checkpoint
+    hub_kwargs: dict
+
+    @classmethod
+    def open(
+        cls,
+        model_name_or_path: str | os.PathLike,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+    ) -> Checkpoint:
+        source = str(model_name_or_path)
+        hub_kwargs = {"cache_dir": cache_dir, "revision": revision, "token": token}
+        checkpoint = cls(source, {}, hub_kwargs)
+        index = checkpoint._fetch(SAFE_INDEX)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls(source, weight_map, hub_kwargs)
+        single = checkpoint._fetch(SAFE_SINGLE)
+        if single is not None:
+            with safe_open(single, framework="pt") as file:
+                return cls(source, dict.fromkeys(file.keys(), SAFE_SINGLE), hub_kwargs)
+        if any(checkpoint._fetch(name) is not None for name in PICKLE_FILES):
+            raise CheckpointError(
+                f"{source} has only pickle weights (pytorch_model.bin); petals loads safetensors only, "
+                "because unpickling can run arbitrary code. Convert it with save_pretrained(safe_serialization=True)."
+            )
+        raise CheckpointError(f"{source}: found neither {SAFE_INDEX} nor {SAFE_SINGLE}")
+
+    def _fetch(self, filename: str) -> Path | None:
+        """The local path of one checkpoint file, or None if the checkpoint has no such file."""
+        local = Path(self.source)
+        if local.is_dir():
+            path = local / filename
+            return path if path.is_file() else None
+        try:
+            return Path(hf_hub_download(self.source, filename, **self.hub_kwargs))
+        except EntryNotFoundError:
+            return None
+        except LocalEntryNotFoundError as error:
+            if os.environ.get("HF_HUB_OFFLINE") or _cached_repo_exists(self.source, self.hub_kwargs):
+                return None  # offline: the file is not in the cache, so treat it as absent
+            raise CheckpointError(f"cannot find {self.source}/{filename} locally or on the hub: {error}") from error
+
+    def block_keys(self, block_prefix: str, block_index: int) -> tuple[str, list[str]]:
+        """The prefix used for this block in this checkpoint and the tensor names under it.
+
+        Published checkpoints differ in how much of the module path they keep (bigscience BLOOM
+        repos store ``h.N.`` while ``save_pretrained`` writes ``transformer.h.N.``), so every
+        suffix of ``block_prefix`` is tried, longest first.
+        """
+        parts = block_prefix.split(".")
+        for start in range(len(parts)):
+            prefix = ".".join(parts[start:] + [str(block_index)]) + "."
+            keys = [name for name in self.weight_map if name.startswith(prefix)]
+            if keys:
+                return prefix, keys
+        raise CheckpointError(f"{self.source} has no tensors for block {block_index} (looked for {block_prefix}.N.)")
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Read the named tensors, opening only the files that hold them."""
+        tensors: dict[str, torch.Tensor] = {}
+        for filename in sorted({self.weight_map[key] for key in keys}):
+            path = self._fetch(filename)
+            if path is None:
+                raise CheckpointError(f"{self.source}: shard {filename} listed in {SAFE_INDEX} is missing")
+            with safe_open(path, framework="pt") as file:
+                for key in keys:
+                    if self.weight_map[key] == filename:
+                        tensors[key] = file.get_tensor(key)
+        return tensors
+
+
+def _cached_repo_exists(repo_id: str, hub_kwargs: dict) -> bool:
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        cache = scan_cache_dir(hub_kwargs.get("cache_dir"))
+    except Exception:
+        return False
+    return any(repo.repo_id == repo_id for repo in cache.repos)
+
+
+def read_block_state_dict(
+    checkpoint: Checkpoint, config: PretrainedConfig, block_index: int
+) -> dict[str, torch.Tensor]:
+    """One block's tensors, named as the block's own module expects (conversion hooks applied)."""
+    prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
+    state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys).items()}
+    return get_plugin_manager().hook.convert_block_state_dict(config=config, state_dict=state_dict)
+
+
+def load_block(
+    model_name_or_path: str | os.PathLike,
+    block_index: int,
+    dtype: torch.dtype | None = None,
+    *,
+    config: PretrainedConfig | None = None,
+    checkpoint: Checkpoint | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> torch.nn.Module:
+    """Build block ``block_index`` of a model and fill it with that block's tensors only.
+
+    ``dtype`` None keeps the checkpoint's floating-point dtype. The block is in eval mode with
+    gradients off, on CPU.
+    """
+    if config is None:
+        from petals.auto import AutoDistributedConfig
+
+        config = AutoDistributedConfig.from_pretrained(
+            model_name_or_path, cache_dir=cache_dir, revision=revision, token=token
+        )
+    if not 0 <= block_index < config.num_hidden_layers:
+        raise IndexError(f"block {block_index} out of range: the model has {config.num_hidden_layers} blocks")
+    if checkpoint is None:
+        checkpoint = Checkpoint.open(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
+    state_dict = read_block_state_dict(checkpoint, config, block_index)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    with torch.device("meta"):
+        block = make_block(config)
+    block.load_state_dict(state_dict, strict=True, assign=True)
+    leftovers = [name for name, tensor in _named_tensors(block) if tensor.is_meta]
+    if leftovers:
+        raise CheckpointError(f"block {block_index}: tensors not filled from the checkpoint: {leftovers}")
+    return block.eval().requires_grad_(False)
+
+
+def _named_tensors(module: torch.nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()

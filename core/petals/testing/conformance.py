@@ -1,0 +1,182 @@
+"""The conformance kit: does a family plugin compute exactly what transformers computes?
+
+``check_family(tiny_hf_config, workdir)`` builds a tiny random model of the family with
+transformers, saves it in the Hugging Face layout and checks, through the public plugin contract
+only:
+
+1. registration: the installed plugins map the config's ``model_type`` to a Distributed*Config
+   that extends the family's HF config and ``DistributedConfigMixin``;
+2. prefix rules: ``AutoDistributedConfig.from_pretrained`` on the saved directory derives a valid
+   ``dht_prefix`` from the folder name through the hook, and an explicit ``dht_prefix`` wins;
+3. KV sizing: a block's cache holds exactly ``layout.bytes_per_token(dtype)`` bytes per token;
+4. exactness (fp32): logits of the full transformers model equal embeddings → blocks loaded one by
+   one with ``load_block`` → head, without a cache and through a prefill, single-token steps and a
+   multi-token step, with the blocks split over two independent sets of caches as two servers
+   would hold them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
+
+from petals.auto import AutoDistributedConfig
+from petals.block import allocate_cache, kv_cache_layout
+from petals.config import DistributedConfigMixin, validate_dht_prefix
+from petals.kv_cache import BlockCache
+from petals.loading import load_block
+from petals.plugins import get_plugin_manager
+
+
+@dataclass
+class ConformanceReport:
+    """What was checked and the largest logit differences seen (for the plugin's own logs)."""
+
+    model_type: str
+    dht_prefix: str
+    cache_bytes_per_token: int
+    max_abs_diff: dict[str, float] = field(default_factory=dict)
+
+
+def check_prefix_rules(examples: Mapping[str, str], config: PretrainedConfig) -> None:
+    """Check the ``dht_prefix`` hook against ``{model name: expected prefix}`` examples."""
+    family = get_plugin_manager().family(config.model_type)
+    distributed = family.config_class.from_dict(config.to_dict())
+    hook = get_plugin_manager().hook.dht_prefix
+    for model_id, expected in examples.items():
+        got = hook(model_id=model_id, config=distributed)
+        assert got == expected, f"dht_prefix({model_id!r}) = {got!r}, expected {expected!r}"
+        validate_dht_prefix(got)
+
+
+def check_family(
+    config: PretrainedConfig,
+    workdir: str | Path,
+    *,
+    folder_name: str = "Tiny-Model-0.1",
+    batch_size: int = 2,
+    prefill_length: int = 7,
+    single_steps: int = 8,
+    chunk_length: int = 3,
+    atol: float = 1e-5,
+    seed: int = 0,
+) -> ConformanceReport:
+    """Run every conformance check on a tiny config of a family; raise AssertionError on failure."""
+    family = get_plugin_manager().family(config.model_type)
+    assert issubclass(family.config_class, DistributedConfigMixin), (
+        f"{family.config_class.__name__} must mix in petals.config.DistributedConfigMixin"
+    )
+    assert issubclass(family.config_class, type(config)), (
+        f"{family.config_class.__name__} must extend {type(config).__name__}"
+    )
+
+    path = Path(workdir) / folder_name
+    reference = _save_random_model(config, path, seed)
+    distributed = AutoDistributedConfig.from_pretrained(path)
+    expected_prefix = get_plugin_manager().hook.dht_prefix(model_id=folder_name, config=distributed)
+    assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
+    assert distributed.dht_prefix == validate_dht_prefix(expected_prefix)
+    assert AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
+
+    layout = kv_cache_layout(distributed)
+    max_length = prefill_length + single_steps + chunk_length + 2
+    cache = allocate_cache(distributed, batch_size, max_length)
+    expected_bytes = layout.bytes_per_token(torch.float32) * batch_size * max_length
+    assert cache.nbytes == expected_bytes, f"cache holds {cache.nbytes} bytes, the layout says {expected_bytes}"
+
+    blocks = [load_block(path, i, torch.float32, config=distributed) for i in range(config.num_hidden_layers)]
+    report = ConformanceReport(config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32))
+    _check_exactness(reference, distributed, blocks, report, batch_size, prefill_length, single_steps,
+                     chunk_length, max_length, atol, seed)
+    return report
+
+
+def _save_random_model(config: PretrainedConfig, path: Path, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    model.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class _TwoServers(torch.nn.Module):
+    """Stands in for the whole layer list: runs our blocks, split in two halves with separate caches."""
+
+    def __init__(self, blocks: list[torch.nn.Module], output_is_tuple: bool) -> None:
+        super().__init__()
+        self.blocks = blocks  # a plain list: not registered, so the HF model's state is untouched
+        self.output_is_tuple = output_is_tuple
+        self.caches: list[BlockCache] | None = None
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        caches = self.caches if self.caches is not None else [None] * len(self.blocks)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            hidden_states = block(hidden_states, cache)
+        return (hidden_states, None) if self.output_is_tuple else hidden_states
+
+
+@contextlib.contextmanager
+def _layers_replaced(model: PreTrainedModel, block_prefix: str, chain: torch.nn.Module) -> Iterator[None]:
+    parent_name, _, attribute = block_prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = getattr(parent, attribute)
+    setattr(parent, attribute, torch.nn.ModuleList([chain]))
+    try:
+        yield
+    finally:
+        setattr(parent, attribute, original)
+
+
+def _check_exactness(
+    reference, config, blocks, report, batch_size, prefill_length, single_steps, chunk_length, max_length, atol, seed
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+    steps = [prefill_length] + [1] * single_steps + [chunk_length]
+    inputs = [torch.randint(0, vocab, (batch_size, n), generator=generator) for n in steps]
+    chain = _TwoServers(blocks, config.block_output_is_tuple)
+    half = len(blocks) // 2
+
+    def compare(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
+        assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+        diff = (got - expected).abs().max().item()
+        report.max_abs_diff[name] = diff
+        assert diff <= atol, f"{config.model_type} {name}: max |logits diff| {diff:.3g} > {atol}"
+
+    def ours(input_ids: torch.Tensor) -> torch.Tensor:
+        with _layers_replaced(reference, config.block_prefix, chain):
+            return reference(input_ids=input_ids, use_cache=False).logits
+
+    with torch.no_grad():
+        full_sequence = torch.cat(inputs, dim=1)
+        chain.caches = None
+        compare("forward without cache", reference(input_ids=full_sequence, use_cache=False).logits,
+                ours(full_sequence))
+
+        reference_cache = DynamicCache(config=reference.config)
+        server_caches = [allocate_cache(config, batch_size, max_length) for _ in blocks]
+        assert {id(c) for c in server_caches[:half]}.isdisjoint(id(c) for c in server_caches[half:])
+        chain.caches = server_caches
+        for index, input_ids in enumerate(inputs):
+            expected = reference(input_ids=input_ids, cache=reference_cache, use_cache=True).logits
+            compare(f"step {index} ({input_ids.shape[1]} tokens)", expected, ours(input_ids))
+        assert all(cache.position == sum(steps) for cache in server_caches)
+
+        # beam search: servers reorder their caches by hypo_ids, as transformers reorders its cache
+        hypo_ids = torch.arange(batch_size - 1, -1, -1)
+        reference_cache.reorder_cache(hypo_ids)
+        for cache in server_caches:
+            cache.reorder(hypo_ids)
+        next_ids = torch.randint(0, vocab, (batch_size, 1), generator=generator)
+        expected = reference(input_ids=next_ids, cache=reference_cache, use_cache=True).logits
+        compare("step after hypo_ids reorder", expected, ours(next_ids))
+
+        # start_from_position: rewinding forgets the last step; replaying it gives the same logits
+        for cache in server_caches:
+            cache.rewind(cache.position - 1)
+        compare("step replayed after rewind", expected, ours(next_ids))

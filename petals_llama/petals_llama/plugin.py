@@ -1,0 +1,17 @@
+"""Entry point of the Llama plugin: registration and the Petals dht_prefix rule."""
+
+from petals import hookimpl
+from petals_llama.config import DistributedLlamaConfig
+
+
+@hookimpl
+def register_model_families(register) -> None:
+    register(DistributedLlamaConfig)
+
+
+@hookimpl
+def dht_prefix(model_id: str, config) -> str | None:
+    if not isinstance(config, DistributedLlamaConfig):
+        return None
+    prefix = model_id.rsplit("/", 1)[-1].replace(".", "-")
+    return prefix if prefix.endswith("-hf") else f"{prefix}-hf"
