@@ -11,27 +11,65 @@ from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, LlamaC
 
 TINY_CONFIGS = {
     "llama": LlamaConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "bloom": BloomConfig(hidden_size=64, n_layer=4, n_head=4, vocab_size=1000),
     "falcon-new": FalconConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2, vocab_size=1000,
-        new_decoder_architecture=True, parallel_attn=True, alibi=False, bias=False,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        vocab_size=1000,
+        new_decoder_architecture=True,
+        parallel_attn=True,
+        alibi=False,
+        bias=False,
     ),
     "falcon-multi-query": FalconConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000,
-        new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=False, bias=False,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=1000,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+        alibi=False,
+        bias=False,
     ),
     "falcon-rw": FalconConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000,
-        new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True, bias=True,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=1000,
+        new_decoder_architecture=False,
+        multi_query=False,
+        parallel_attn=False,
+        alibi=True,
+        bias=True,
     ),
     "mixtral": MixtralConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
     ),
 }
 
@@ -58,3 +96,25 @@ def tiny_model_path(tmp_path_factory):
         return cache[variant]
 
     return build
+
+
+def install_in_hf_cache(source: Path, repo_id: str, cache_dir: Path, revision: str = "0" * 40) -> Path:
+    """Lay out ``source``'s files as the Hugging Face hub cache does for ``repo_id`` (no network)."""
+    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for file in source.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    return snapshot
+
+
+@pytest.fixture
+def offline_hf_cache(tmp_path, monkeypatch):
+    """An empty HF hub cache, used offline by every process this test starts."""
+    cache_dir = tmp_path / "hf-cache"
+    cache_dir.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache_dir

@@ -24,14 +24,18 @@ class ServerBlockMixin:
 
     # the attention implementation transformers chooses for this family's full model by default
     attn_implementation: ClassVar[str] = "sdpa"
+    # likewise for mixture-of-experts layers (None: the family has no experts)
+    experts_implementation: ClassVar[str | None] = None
     config: PretrainedConfig
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig) -> PretrainedConfig:
-        """A copy of ``config`` with the attention implementation the full model would use."""
+        """A copy of ``config`` with the attention (and experts) implementation the full model would use."""
         config = copy.deepcopy(config)
         if getattr(config, "_attn_implementation", None) is None:
             config._attn_implementation = cls.attn_implementation
+        if cls.experts_implementation and getattr(config, "_experts_implementation", None) is None:
+            config._experts_implementation = cls.experts_implementation
         return config
 
     @staticmethod

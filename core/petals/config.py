@@ -31,7 +31,9 @@ class ClientConfig:
     connect_timeout: float = 5
     request_timeout: float = 180
     update_period: float = 60
-    max_retries: int | None = int(os.environ["PETALS_MAX_RETRIES"]) if "PETALS_MAX_RETRIES" in os.environ else None
+    max_retries: int | None = (
+        int(os.environ["PETALS_MAX_RETRIES"]) if "PETALS_MAX_RETRIES" in os.environ else None
+    )
     min_backoff: float = 1
     max_backoff: float = 60
     ban_timeout: float = 15

@@ -70,8 +70,8 @@ def convert_block_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """Convert one block's checkpoint tensors (prefix already stripped) to the block's own names.
 
-    Needed where the on-disk layout differs from the in-memory module (Mixtral's per-expert
-    weights versus transformers 5's fused experts). Core's default returns ``state_dict`` unchanged.
+    Needed where the on-disk layout differs from the in-memory module (e.g. per-expert
+    weights on disk versus transformers 5's fused experts in memory). Core's default returns ``state_dict`` unchanged.
     """
 
 

@@ -23,7 +23,7 @@ class KVCacheLayout:
     """What one block caches per token: ``num_kv_heads`` keys and values of ``head_dim`` each.
 
     ``num_query_heads`` is how many heads the attention computes; when a layer hands the cache
-    keys broadcast to all query heads (Falcon's new decoder architecture), the cache keeps one
+    keys broadcast to all query heads (as some grouped-query layers do), the cache keeps one
     head per group and expands them again on read.
     """
 
@@ -35,7 +35,9 @@ class KVCacheLayout:
         if min(self.num_kv_heads, self.head_dim, self.num_query_heads) <= 0:
             raise ValueError(f"invalid KV cache layout {self}")
         if self.num_query_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_query_heads} query heads do not split into {self.num_kv_heads} groups")
+            raise ValueError(
+                f"{self.num_query_heads} query heads do not split into {self.num_kv_heads} groups"
+            )
 
     @property
     def group_size(self) -> int:
@@ -54,7 +56,12 @@ class PreallocatedLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(
-        self, layout: KVCacheLayout, batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device
+        self,
+        layout: KVCacheLayout,
+        batch_size: int,
+        max_length: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         shape = (batch_size, layout.num_kv_heads, max_length, layout.head_dim)

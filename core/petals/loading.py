@@ -82,12 +82,14 @@ class Checkpoint:
         except LocalEntryNotFoundError as error:
             if os.environ.get("HF_HUB_OFFLINE") or _cached_repo_exists(self.source, self.hub_kwargs):
                 return None  # offline: the file is not in the cache, so treat it as absent
-            raise CheckpointError(f"cannot find {self.source}/{filename} locally or on the hub: {error}") from error
+            raise CheckpointError(
+                f"cannot find {self.source}/{filename} locally or on the hub: {error}"
+            ) from error
 
     def block_keys(self, block_prefix: str, block_index: int) -> tuple[str, list[str]]:
         """The prefix used for this block in this checkpoint and the tensor names under it.
 
-        Published checkpoints differ in how much of the module path they keep (bigscience BLOOM
+        Published checkpoints differ in how much of the module path they keep (some published
         repos store ``h.N.`` while ``save_pretrained`` writes ``transformer.h.N.``), so every
         suffix of ``block_prefix`` is tried, longest first.
         """
@@ -97,7 +99,9 @@ class Checkpoint:
             keys = [name for name in self.weight_map if name.startswith(prefix)]
             if keys:
                 return prefix, keys
-        raise CheckpointError(f"{self.source} has no tensors for block {block_index} (looked for {block_prefix}.N.)")
+        raise CheckpointError(
+            f"{self.source} has no tensors for block {block_index} (looked for {block_prefix}.N.)"
+        )
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Read the named tensors, opening only the files that hold them."""

@@ -3,8 +3,8 @@
 Plugins are loaded on first use, not when ``petals`` is imported. Two environment variables
 choose which installed plugins load (by entry-point name):
 
-* ``PETALS_PLUGINS=llama,bloom`` loads only those (set but empty: load none);
-* ``PETALS_DISABLE_PLUGINS=falcon`` loads all but those.
+* ``PETALS_PLUGINS=name1,name2`` loads only those (set but empty: load none);
+* ``PETALS_DISABLE_PLUGINS=name3`` loads all but those.
 
 A plugin that fails to import is reported with its name and error and does not stop the others.
 """
@@ -94,7 +94,7 @@ class PluginManager(pluggy.PluginManager):
     def model_families(self) -> dict[str, ModelFamily]:
         """Every registered model type, each with the one plugin that serves it."""
         families: dict[str, ModelFamily] = {}
-        for impl in reversed(self.hook.register_model_families.get_hookimpls()):  # registration order
+        for impl in self.hook.register_model_families.get_hookimpls():  # in registration order
 
             def register(config_class: type, plugin: str = impl.plugin_name) -> None:
                 model_type = getattr(config_class, "model_type", "")
@@ -153,7 +153,9 @@ def get_plugin_manager() -> PluginManager:
     with _lock:
         if _manager is None:
             manager = PluginManager()
-            manager.load_entry_points(allow=_names_from_env(ALLOW_ENV), block=_names_from_env(BLOCK_ENV) or set())
+            manager.load_entry_points(
+                allow=_names_from_env(ALLOW_ENV), block=_names_from_env(BLOCK_ENV) or set()
+            )
             _manager = manager
         return _manager
 

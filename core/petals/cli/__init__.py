@@ -26,7 +26,7 @@ def plugins_command(hooks: bool) -> None:
     families = manager.model_families()
     names = manager.plugin_names()
     if not names:
-        click.echo("No model-family plugins installed. Install one, e.g. `pip install petals-llama`.")
+        click.echo("No model-family plugins installed. Install one, e.g. `pip install petals-<family>`.")
     for name in names:
         distribution = manager.distributions.get(name)
         version = f"{distribution.name} {distribution.version}" if distribution else "registered in-process"

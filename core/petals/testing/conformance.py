@@ -82,18 +82,35 @@ def check_family(
     expected_prefix = get_plugin_manager().hook.dht_prefix(model_id=folder_name, config=distributed)
     assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
     assert distributed.dht_prefix == validate_dht_prefix(expected_prefix)
-    assert AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
+    assert (
+        AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
+    )
 
     layout = kv_cache_layout(distributed)
     max_length = prefill_length + single_steps + chunk_length + 2
     cache = allocate_cache(distributed, batch_size, max_length)
     expected_bytes = layout.bytes_per_token(torch.float32) * batch_size * max_length
-    assert cache.nbytes == expected_bytes, f"cache holds {cache.nbytes} bytes, the layout says {expected_bytes}"
+    assert cache.nbytes == expected_bytes, (
+        f"cache holds {cache.nbytes} bytes, the layout says {expected_bytes}"
+    )
 
     blocks = [load_block(path, i, torch.float32, config=distributed) for i in range(config.num_hidden_layers)]
-    report = ConformanceReport(config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32))
-    _check_exactness(reference, distributed, blocks, report, batch_size, prefill_length, single_steps,
-                     chunk_length, max_length, atol, seed)
+    report = ConformanceReport(
+        config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32)
+    )
+    _check_exactness(
+        reference,
+        distributed,
+        blocks,
+        report,
+        batch_size,
+        prefill_length,
+        single_steps,
+        chunk_length,
+        max_length,
+        atol,
+        seed,
+    )
     return report
 
 
@@ -133,7 +150,17 @@ def _layers_replaced(model: PreTrainedModel, block_prefix: str, chain: torch.nn.
 
 
 def _check_exactness(
-    reference, config, blocks, report, batch_size, prefill_length, single_steps, chunk_length, max_length, atol, seed
+    reference,
+    config,
+    blocks,
+    report,
+    batch_size,
+    prefill_length,
+    single_steps,
+    chunk_length,
+    max_length,
+    atol,
+    seed,
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     vocab = config.vocab_size
@@ -155,8 +182,11 @@ def _check_exactness(
     with torch.no_grad():
         full_sequence = torch.cat(inputs, dim=1)
         chain.caches = None
-        compare("forward without cache", reference(input_ids=full_sequence, use_cache=False).logits,
-                ours(full_sequence))
+        compare(
+            "forward without cache",
+            reference(input_ids=full_sequence, use_cache=False).logits,
+            ours(full_sequence),
+        )
 
         reference_cache = DynamicCache(config=reference.config)
         server_caches = [allocate_cache(config, batch_size, max_length) for _ in blocks]

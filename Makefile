@@ -1,0 +1,29 @@
+# One command each: `make demo` (a local swarm on a real small model) and `make test`.
+# Both create the virtual environment in $(VENV) and install everything from this repository.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install test lint demo clean
+
+$(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned, so that nothing ever pulls a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ./core $(FAMILIES:%=-e ./%) -r requirements-dev.txt
+	touch $@
+
+install: $(INSTALLED)
+
+test: $(INSTALLED)
+	$(BIN)/python -m pytest
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV)

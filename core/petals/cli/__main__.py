@@ -1,0 +1,3 @@
+from petals.cli import main
+
+main()

@@ -1,0 +1,16 @@
+"""Entry point of the BLOOM plugin: registration and the Petals dht_prefix rule."""
+
+from petals import hookimpl
+from petals_bloom.config import DistributedBloomConfig
+
+
+@hookimpl
+def register_model_families(register) -> None:
+    register(DistributedBloomConfig)
+
+
+@hookimpl
+def dht_prefix(model_id: str, config) -> str | None:
+    if not isinstance(config, DistributedBloomConfig):
+        return None
+    return f"{model_id}-petals".replace(".", "-")

@@ -1,0 +1,56 @@
+import math
+
+import torch
+from transformers.models.falcon.modeling_falcon import (
+    FalconDecoderLayer,
+    FalconRotaryEmbedding,
+    build_alibi_tensor,
+)
+
+from petals.block import ServerBlockMixin
+from petals.kv_cache import BlockCache
+
+
+class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
+    """One Falcon layer: rotary positions, or ALiBi folded into the mask as FalconModel does."""
+
+    def __init__(self, config) -> None:
+        config = self.prepare_config(config)
+        super().__init__(config, layer_idx=0)
+        self.config = config
+        with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
+            self.rotary_emb = FalconRotaryEmbedding(config)
+
+    def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
+        position_ids = self.position_ids(hidden_states, cache)
+        mask = self.causal_mask(hidden_states, cache, position_ids, allow_is_causal_skip=False)
+        alibi = position_embeddings = None
+        if self.config.alibi:
+            alibi, mask = self._alibi_and_mask(hidden_states, cache, mask)
+        else:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        return super().forward(
+            hidden_states,
+            alibi=alibi,
+            attention_mask=mask,
+            position_ids=position_ids,
+            layer_past=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )[0]
+
+    def _alibi_and_mask(
+        self, hidden_states: torch.Tensor, cache: BlockCache | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, length, _ = hidden_states.shape
+        kv_length = length + (cache.get_seq_length() if cache is not None else 0)
+        ones = torch.ones(batch_size, kv_length, device=hidden_states.device, dtype=torch.long)
+        alibi = build_alibi_tensor(ones, self.config.num_attention_heads, dtype=hidden_states.dtype)
+        min_dtype = torch.finfo(hidden_states.dtype).min
+        if mask.dtype == torch.bool:
+            mask = torch.where(
+                mask, torch.zeros((), dtype=hidden_states.dtype, device=mask.device), min_dtype
+            )
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        biased = alibi.reshape(batch_size, -1, *alibi.shape[1:]) / math.sqrt(head_dim)
+        return alibi, torch.masked_fill(biased, mask < -1, min_dtype)

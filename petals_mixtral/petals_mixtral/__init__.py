@@ -1,0 +1,5 @@
+"""Mixtral family plugin for petals-core."""
+
+from petals_mixtral.config import DistributedMixtralConfig
+
+__all__ = ["DistributedMixtralConfig"]

@@ -1,0 +1,105 @@
+"""load_block reads one block's tensors only, from a directory or the HF cache, in any layout."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import petals.loading
+from conftest import install_in_hf_cache, tiny_config
+from petals.auto import AutoDistributedConfig
+from petals.loading import Checkpoint, CheckpointError, load_block
+
+
+def reference_layer_state(path, variant, index):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prefix = AutoDistributedConfig.from_pretrained(path).block_prefix
+    return model.get_submodule(f"{prefix}.{index}").state_dict()
+
+
+@pytest.fixture
+def opened_files(monkeypatch):
+    """Records which checkpoint files safetensors opens (the real function still does the work)."""
+    opened = []
+    real_safe_open = petals.loading.safe_open
+
+    def recording_safe_open(path, *args, **kwargs):
+        opened.append(str(path).rsplit("/", 1)[-1])
+        return real_safe_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(petals.loading, "safe_open", recording_safe_open)
+    return opened
+
+
+def test_sharded_checkpoint_reads_only_the_shards_holding_the_block(tmp_path, opened_files):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards_of_block_2 = {file for name, file in weight_map.items() if name.startswith("model.layers.2.")}
+    assert len(set(weight_map.values())) > len(shards_of_block_2)
+
+    block = load_block(tmp_path, 2, torch.float32)
+
+    assert set(opened_files) == shards_of_block_2
+    expected = model.model.layers[2].state_dict()
+    assert block.state_dict().keys() == expected.keys()
+    assert all(torch.equal(block.state_dict()[k], v) for k, v in expected.items())
+    assert not any(p.requires_grad for p in block.parameters()) and not block.training
+
+
+def test_short_prefix_layout_loads_too(tiny_model_path, tmp_path):
+    """bigscience BLOOM repos store "h.N." where save_pretrained writes "transformer.h.N."."""
+    source = tiny_model_path("bloom")
+    tensors = load_file(source / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    block = load_block(tmp_path, 1)
+    expected = reference_layer_state(source, "bloom", 1)
+    assert all(torch.equal(block.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_mixtral_experts_are_fused_on_load(tiny_model_path):
+    path = tiny_model_path("mixtral")
+    block = load_block(path, 3)
+    expected = reference_layer_state(path, "mixtral", 3)
+    assert block.state_dict().keys() == expected.keys()
+    assert all(torch.equal(block.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_dtype_conversion(tiny_model_path):
+    block = load_block(tiny_model_path("llama"), 0, torch.bfloat16)
+    assert {p.dtype for p in block.parameters()} == {torch.bfloat16}
+
+
+def test_repo_id_in_hf_cache_loads_offline(tiny_model_path, offline_hf_cache):
+    install_in_hf_cache(tiny_model_path("falcon-new"), "tiiuae/falcon-tiny", offline_hf_cache)
+    script = (
+        "import torch; from petals import load_block; "
+        "b = load_block('tiiuae/falcon-tiny', 2, torch.float32); print(sum(p.numel() for p in b.parameters()))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    expected = sum(
+        v.numel() for v in reference_layer_state(tiny_model_path("falcon-new"), "falcon", 2).values()
+    )
+    assert int(result.stdout.split()[-1]) == expected
+
+
+def test_pickle_only_checkpoint_is_refused_without_unpickling(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not even read")
+    with pytest.raises(CheckpointError, match="only pickle weights"):
+        Checkpoint.open(tmp_path)
+
+
+def test_missing_checkpoint_and_bad_block_index(tiny_model_path, tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="found neither"):
+        load_block(tmp_path, 0)
+    with pytest.raises(IndexError, match="block 4 out of range: the model has 4 blocks"):
+        load_block(tiny_model_path("llama"), 4)

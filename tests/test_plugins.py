@@ -1,0 +1,161 @@
+"""The plugin manager: discovery, allow/block lists, clear errors, in-test plugins, hygiene."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from transformers import LlamaConfig
+
+from conftest import tiny_config
+from petals import hookimpl
+from petals.auto import AutoDistributedConfig
+from petals.config import DistributedConfigMixin, LazyClass
+from petals.plugins import DuplicateModelTypeError, PluginManager, UnknownModelTypeError, using_plugin_manager
+
+FAMILIES = {"bloom": "bloom", "falcon": "falcon", "llama": "llama", "mixtral": "mixtral"}
+
+
+def run_petals(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "petals.cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
+
+
+def test_petals_plugins_lists_installed_families_with_versions():
+    result = run_petals("plugins", "--hooks")
+    assert result.returncode == 0, result.stderr
+    for name, model_type in FAMILIES.items():
+        assert f"{name}\tpetals-{name} 0.1.0\tmodel types: {model_type}" in result.stdout
+    assert "hooks: convert_block_state_dict, dht_prefix, register_model_families" in result.stdout
+
+
+def test_no_plugins_gives_a_clear_error(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    result = run_petals("plugins", env={"PETALS_PLUGINS": ""})
+    assert "No model-family plugins installed" in result.stdout
+    script = f"from petals import AutoDistributedConfig as A; A.from_pretrained({str(tmp_path)!r})"
+    failed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PETALS_PLUGINS": ""},
+    )
+    assert failed.returncode != 0
+    assert "model type 'llama' has no installed plugin; installed: none" in failed.stderr
+    assert "pip install petals-llama" in failed.stderr
+
+
+def test_blocked_plugin_names_the_remaining_ones(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    script = f"from petals import AutoDistributedConfig as A; A.from_pretrained({str(tmp_path)!r})"
+    failed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
+    )
+    assert "model type 'llama' has no installed plugin; installed: bloom, falcon, mixtral" in failed.stderr
+
+
+class TinyTestConfig(DistributedConfigMixin, LlamaConfig):
+    model_type = "tiny-test"
+    block_class = LazyClass("petals_llama.block:LlamaBlock")
+    block_prefix = "model.layers"
+
+
+class TinyTestPlugin:
+    @hookimpl
+    def register_model_families(self, register):
+        register(TinyTestConfig)
+
+    @hookimpl
+    def dht_prefix(self, model_id, config):
+        return f"tiny-{model_id}" if isinstance(config, TinyTestConfig) else None
+
+
+def test_in_test_plugin_for_a_new_model_type_is_dispatched(tmp_path):
+    config = tiny_config("llama").to_dict() | {"model_type": "tiny-test"}
+    (tmp_path / "model").mkdir()
+    LlamaConfig.from_dict(config).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text(
+        (tmp_path / "model" / "config.json").read_text().replace('"llama"', '"tiny-test"')
+    )
+    manager = PluginManager()  # no entry points: only core's defaults and the test's plugin
+    with using_plugin_manager(manager):
+        with pytest.raises(
+            UnknownModelTypeError, match="'tiny-test' has no installed plugin; installed: none"
+        ):
+            AutoDistributedConfig.from_pretrained(tmp_path / "model")
+        manager.register(TinyTestPlugin(), name="tiny-test-plugin")
+        loaded = AutoDistributedConfig.from_pretrained(tmp_path / "model")
+    assert type(loaded) is TinyTestConfig
+    assert loaded.dht_prefix == "tiny-model"
+
+
+def test_two_plugins_claiming_one_model_type_is_an_error_naming_both():
+    manager = PluginManager()
+    manager.register(TinyTestPlugin(), name="first-plugin")
+    manager.register(TinyTestPlugin(), name="second-plugin")
+    with pytest.raises(
+        DuplicateModelTypeError,
+        match="'tiny-test' is claimed by two plugins: 'first-plugin' and 'second-plugin'",
+    ):
+        manager.model_families()
+
+
+def test_plugin_that_fails_to_import_is_reported_and_others_still_load(tmp_path):
+    (tmp_path / "broken_family.py").write_text("raise ImportError('needs a library that is not installed')\n")
+    dist_info = tmp_path / "broken_family-9.9.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-family\nVersion: 9.9\n")
+    (dist_info / "entry_points.txt").write_text("[petals]\nbroken = broken_family\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = run_petals("plugins", env=env)
+    assert result.returncode == 0
+    assert "broken\tFAILED TO LOAD: ImportError: needs a library that is not installed" in result.stderr
+    assert "llama\tpetals-llama 0.1.0\tmodel types: llama" in result.stdout
+
+
+def test_importing_petals_and_loading_plugins_is_lazy():
+    script = textwrap.dedent(
+        """
+        import sys
+        import petals
+        assert "torch" not in sys.modules, "import petals imported torch"
+        from petals.plugins import get_plugin_manager
+        families = get_plugin_manager().model_families()
+        assert sorted(families) == ["bloom", "falcon", "llama", "mixtral"], families
+        families = ("llama", "bloom", "falcon", "mixtral")
+        loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
+        assert not loaded, f"modeling code imported while loading plugins: {loaded}"
+        print("lazy")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.stdout.strip() == "lazy", result.stderr
+
+
+def test_core_names_no_model_family():
+    core = os.path.join(os.path.dirname(__file__), os.pardir, "core")
+    result = subprocess.run(
+        [
+            "grep",
+            "-rniE",
+            "llama|bloom|falcon|mixtral",
+            "--include=*.py",
+            "--include=*.toml",
+            "--include=*.md",
+            "--exclude-dir=*.egg-info",
+            core,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.stdout == "", f"core names a family:\n{result.stdout}"
