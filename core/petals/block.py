@@ -1,9 +1,11 @@
 """What every server-side block shares: building it, its positions, masks and cache.
 
-A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer, built with
-``layer_idx=0`` so that it reads and writes the single layer of its own ``BlockCache``. Its
-``forward(hidden_states, cache=None)`` derives positions from the cache length and calls the HF
-layer with exactly the arguments the full HF model would pass.
+A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer; it is built as
+``XBlock(config, block_index)``, always with HF ``layer_idx=0`` so that it reads and writes the
+single layer of its own ``BlockCache`` (per-layer settings such as a layer's attention type are
+taken from ``block_index`` in ``prepare_config``). Its ``forward(hidden_states, cache=None)``
+derives positions from the cache length and calls the HF layer with exactly the arguments the full
+HF model would pass.
 """
 
 from __future__ import annotations
@@ -26,11 +28,22 @@ class ServerBlockMixin:
     attn_implementation: ClassVar[str] = "sdpa"
     # likewise for mixture-of-experts layers (None: the family has no experts)
     experts_implementation: ClassVar[str | None] = None
+    # the HF rotary embedding module the full model applies before its layers (None: no rotary)
+    rotary_class: ClassVar[type[torch.nn.Module] | None] = None
     config: PretrainedConfig
 
+    def __init__(self, config: PretrainedConfig, block_index: int = 0) -> None:
+        config = self.prepare_config(config, block_index)
+        super().__init__(config, layer_idx=0)
+        self.config = config
+        if self.rotary_class is not None:
+            with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
+                self.rotary_emb = self.rotary_class(config)
+
     @classmethod
-    def prepare_config(cls, config: PretrainedConfig) -> PretrainedConfig:
-        """A copy of ``config`` with the attention (and experts) implementation the full model would use."""
+    def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
+        """A copy of ``config`` for block ``block_index``, with the attention (and experts)
+        implementation the full model would use. Override to pick per-layer settings."""
         config = copy.deepcopy(config)
         if getattr(config, "_attn_implementation", None) is None:
             config._attn_implementation = cls.attn_implementation
@@ -71,9 +84,9 @@ def kv_cache_layout(config: PretrainedConfig) -> KVCacheLayout:
     return get_plugin_manager().hook.kv_cache_layout(config=config)
 
 
-def make_block(config: PretrainedConfig) -> torch.nn.Module:
-    """A block with freshly initialised weights (wrap in ``torch.device("meta")`` to skip allocation)."""
-    return block_class(config)(config)
+def make_block(config: PretrainedConfig, block_index: int = 0) -> torch.nn.Module:
+    """Block ``block_index`` with fresh weights (wrap in ``torch.device("meta")`` to skip allocation)."""
+    return block_class(config)(config, block_index)
 
 
 def allocate_cache(

@@ -166,7 +166,7 @@ def load_block(
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     with torch.device("meta"):
-        block = make_block(config)
+        block = make_block(config, block_index)
     block.load_state_dict(state_dict, strict=True, assign=True)
     leftovers = [name for name, tensor in _named_tensors(block) if tensor.is_meta]
     if leftovers:

@@ -10,11 +10,6 @@ class BloomServerBlock(ServerBlockMixin, BloomBlock):
 
     attn_implementation = "eager"  # what transformers picks for BLOOM
 
-    def __init__(self, config) -> None:
-        config = self.prepare_config(config)
-        super().__init__(config, layer_idx=0)
-        self.config = config
-
     def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
         batch_size, length, _ = hidden_states.shape
         kv_length = cache.get_mask_sizes(length, 0)[0] if cache is not None else length

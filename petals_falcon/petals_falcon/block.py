@@ -14,12 +14,7 @@ from petals.kv_cache import BlockCache
 class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
     """One Falcon layer: rotary positions, or ALiBi folded into the mask as FalconModel does."""
 
-    def __init__(self, config) -> None:
-        config = self.prepare_config(config)
-        super().__init__(config, layer_idx=0)
-        self.config = config
-        with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
-            self.rotary_emb = FalconRotaryEmbedding(config)
+    rotary_class = FalconRotaryEmbedding
 
     def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
         position_ids = self.position_ids(hidden_states, cache)

@@ -10,13 +10,6 @@ class LlamaBlock(ServerBlockMixin, LlamaDecoderLayer):
 
     rotary_class = LlamaRotaryEmbedding
 
-    def __init__(self, config) -> None:
-        config = self.prepare_config(config)
-        super().__init__(config, layer_idx=0)
-        self.config = config
-        with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
-            self.rotary_emb = self.rotary_class(config)
-
     def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
         position_ids = self.position_ids(hidden_states, cache)
         return super().forward(

@@ -10,13 +10,7 @@ class MixtralBlock(ServerBlockMixin, MixtralDecoderLayer):
     """One Mixtral layer: GQA attention (sliding window if configured) and the routed experts."""
 
     experts_implementation = "grouped_mm"  # what transformers picks for the full model
-
-    def __init__(self, config) -> None:
-        config = self.prepare_config(config)
-        super().__init__(config, layer_idx=0)
-        self.config = config
-        with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
-            self.rotary_emb = MixtralRotaryEmbedding(config)
+    rotary_class = MixtralRotaryEmbedding
 
     def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
         position_ids = self.position_ids(hidden_states, cache)
