@@ -33,7 +33,14 @@ def test_petals_plugins_lists_installed_families_with_versions():
     assert result.returncode == 0, result.stderr
     for name, model_type in FAMILIES.items():
         assert f"{name}\tpetals-{name} 0.1.0\tmodel types: {model_type}" in result.stdout
-    assert "hooks: convert_block_state_dict, dht_prefix, register_model_families" in result.stdout
+    hooks = {
+        line.split("\t")[0]: lines[i + 1].strip().removeprefix("hooks: ").split(", ")
+        for lines in [result.stdout.splitlines()]
+        for i, line in enumerate(lines)
+        if not line.startswith("\t")
+    }
+    assert all({"register_model_families", "dht_prefix"} <= set(names) for names in hooks.values())
+    assert "convert_block_state_dict" in hooks["mixtral"]
 
 
 def test_no_plugins_gives_a_clear_error(tmp_path):

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 from transformers import PretrainedConfig
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from petals.kv_cache import BlockCache, KVCacheLayout
 from petals.plugins import get_plugin_manager
@@ -56,15 +56,19 @@ class ServerBlockMixin:
         start = cache.get_seq_length() if cache is not None else 0
         return torch.arange(start, start + hidden_states.shape[1], device=hidden_states.device)[None]
 
+    @property
+    def uses_sliding_window(self) -> bool:
+        """Whether this layer attends within a sliding window (per layer type, or model-wide)."""
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types:
+            return layer_types[0] == "sliding_attention"
+        return getattr(self.config, "sliding_window", None) is not None
+
     def causal_mask(
-        self,
-        hidden_states: torch.Tensor,
-        cache: BlockCache | None,
-        position_ids: torch.LongTensor,
-        mask_function=create_causal_mask,
-        **kwargs,
+        self, hidden_states: torch.Tensor, cache: BlockCache | None, position_ids: torch.LongTensor, **kwargs
     ) -> torch.Tensor | None:
-        """The mask the full model builds before its layers (None where sdpa's is_causal suffices)."""
+        """The mask the full model builds for this layer (None where sdpa's is_causal suffices)."""
+        mask_function = create_sliding_window_causal_mask if self.uses_sliding_window else create_causal_mask
         return mask_function(
             config=self.config,
             inputs_embeds=hidden_states,
@@ -73,6 +77,26 @@ class ServerBlockMixin:
             position_ids=position_ids,
             layer_idx=0 if cache is not None else None,
             **kwargs,
+        )
+
+
+class RotaryBlockMixin(ServerBlockMixin):
+    """For layers called the way transformers' rotary decoders (Llama and its kin) call them.
+
+    ``class XBlock(RotaryBlockMixin, XDecoderLayer): rotary_class = XRotaryEmbedding`` is a whole
+    block. Families with other calling conventions (ALiBi, tuple outputs) use ``ServerBlockMixin``
+    and write their own ``forward``.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
+        position_ids = self.position_ids(hidden_states, cache)
+        return super().forward(
+            hidden_states,
+            attention_mask=self.causal_mask(hidden_states, cache, position_ids),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary_emb(hidden_states, position_ids),
         )
 
 
