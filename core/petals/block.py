@@ -81,7 +81,7 @@ class ServerBlockMixin:
 
 
 class RotaryBlockMixin(ServerBlockMixin):
-    """For layers called the way transformers' rotary decoders (Llama and its kin) call them.
+    """For layers called the way transformers' rotary decoder models call them.
 
     ``class XBlock(RotaryBlockMixin, XDecoderLayer): rotary_class = XRotaryEmbedding`` is a whole
     block. Families with other calling conventions (ALiBi, tuple outputs) use ``ServerBlockMixin``
