@@ -5,16 +5,17 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
+EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
 .PHONY: install test lint demo clean
 
-$(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) requirements-dev.txt
+$(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned, so that nothing ever pulls a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ./core $(FAMILIES:%=-e ./%) -r requirements-dev.txt
+	$(BIN)/python -m pip install -q -e ./core $(FAMILIES:%=-e ./%) $(EXAMPLE_PLUGINS:%=-e ./%) -r requirements-dev.txt
 	touch $@
 
 install: $(INSTALLED)

@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 
 import petals.loading
 from conftest import install_in_hf_cache, tiny_config
+from petals import hookimpl
 from petals.auto import AutoDistributedConfig
 from petals.loading import Checkpoint, CheckpointError, load_block
+from petals.plugins import get_plugin_manager
 
 
 def reference_layer_state(path, variant, index):
@@ -103,3 +105,29 @@ def test_missing_checkpoint_and_bad_block_index(tiny_model_path, tmp_path):
         load_block(tmp_path, 0)
     with pytest.raises(IndexError, match="block 4 out of range: the model has 4 blocks"):
         load_block(tiny_model_path("llama"), 4)
+
+
+class RenamedCheckpointPlugin:
+    """Reads checkpoints whose MLP tensors carry an older name ("ffn." instead of "mlp.")."""
+
+    @hookimpl
+    def convert_block_state_dict(self, config, state_dict):
+        if config.model_type != "llama":
+            return None
+        return {key.replace("ffn.", "mlp."): tensor for key, tensor in state_dict.items()}
+
+
+def test_convert_block_state_dict_hook_renames_checkpoint_tensors(tiny_model_path, tmp_path):
+    source = tiny_model_path("llama")
+    tensors = load_file(source / "model.safetensors")
+    save_file({k.replace(".mlp.", ".ffn."): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_block(tmp_path, 0)
+    manager = get_plugin_manager()
+    manager.register(RenamedCheckpointPlugin(), name="renamed-checkpoint")
+    try:
+        block = load_block(tmp_path, 0)
+    finally:
+        manager.unregister(name="renamed-checkpoint")
+    assert torch.equal(block.mlp.up_proj.weight, tensors["model.layers.0.mlp.up_proj.weight"])

@@ -1,0 +1,1 @@
+"""Template plugin for petals-core: the smallest complete family plugin (transformers' Mistral)."""
