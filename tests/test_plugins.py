@@ -39,7 +39,8 @@ def test_petals_plugins_lists_installed_families_with_versions():
         for i, line in enumerate(lines)
         if not line.startswith("\t")
     }
-    assert all({"register_model_families", "dht_prefix"} <= set(names) for names in hooks.values())
+    assert all("register_model_families" in names for names in hooks.values())
+    assert all("dht_prefix" in hooks[name] for name in FAMILIES)
     assert "convert_block_state_dict" in hooks["mixtral"]
 
 
@@ -68,7 +69,7 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         text=True,
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
-    assert "model type 'llama' has no installed plugin; installed: bloom, falcon, mixtral" in failed.stderr
+    assert "model type 'llama' has no installed plugin; installed: bloom, falcon, mistral, mixtral" in failed.stderr
 
 
 class TinyTestConfig(DistributedConfigMixin, LlamaConfig):
@@ -138,7 +139,7 @@ def test_importing_petals_and_loading_plugins_is_lazy():
         assert "torch" not in sys.modules, "import petals imported torch"
         from petals.plugins import get_plugin_manager
         families = get_plugin_manager().model_families()
-        assert sorted(families) == ["bloom", "falcon", "llama", "mixtral"], families
+        assert {"bloom", "falcon", "llama", "mixtral"} <= set(families), families
         families = ("llama", "bloom", "falcon", "mixtral")
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"
