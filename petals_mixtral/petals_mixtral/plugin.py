@@ -1,4 +1,5 @@
-"""Entry point of the Mixtral plugin: registration, dht_prefix rule, checkpoint conversion."""
+"""Entry point of the Mixtral plugin: registration, dht_prefix rule, checkpoint conversion,
+expert quantization and tensor-parallel sharding."""
 
 import re
 
@@ -42,3 +43,22 @@ def convert_block_state_dict(config, state_dict: dict[str, torch.Tensor]) -> dic
         converted["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([e["w1"], e["w3"]]) for e in ordered])
         converted["mlp.experts.down_proj"] = torch.stack([e["w2"] for e in ordered])
     return converted
+
+
+@hookimpl
+def quantize_module(config, module, quantize_linear):
+    """Fused experts are 3-D parameters, not ``nn.Linear``: rebuild them as quantized per-expert linears."""
+    if not isinstance(config, DistributedMixtralConfig) or type(module).__name__ != "MixtralExperts":
+        return None
+    from petals_mixtral.quantization import QuantizedExperts
+
+    return QuantizedExperts(module, quantize_linear)
+
+
+@hookimpl
+def tensor_parallel_config(config, world_size: int):
+    if not isinstance(config, DistributedMixtralConfig):
+        return None
+    from petals_mixtral.tensor_parallel import tensor_parallel_config
+
+    return tensor_parallel_config(config, world_size)

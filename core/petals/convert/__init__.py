@@ -1,0 +1,24 @@
+"""Server-side conversions of a loaded block: quantization, tensor parallelism, LoRA adapters, memory planning.
+
+A server loads a block on CPU, then ``quantize_block`` (quantizes on the move to its device), then
+``load_adapters``; or ``make_tensor_parallel`` instead of quantization for several devices
+(combining sharding with quantization or adapters is not supported yet).
+"""
+
+from petals.convert.adapters import AdapterError, load_adapters, using_adapter
+from petals.convert.memory import block_weight_bytes, estimate_block_weight_bytes, plan_num_blocks
+from petals.convert.quantization import QuantType, quantize_block
+from petals.convert.tensor_parallel import TensorParallelBlock, make_tensor_parallel
+
+__all__ = [
+    "AdapterError",
+    "QuantType",
+    "TensorParallelBlock",
+    "block_weight_bytes",
+    "estimate_block_weight_bytes",
+    "load_adapters",
+    "make_tensor_parallel",
+    "plan_num_blocks",
+    "quantize_block",
+    "using_adapter",
+]
