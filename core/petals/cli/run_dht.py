@@ -1,0 +1,72 @@
+"""``petals dht``: a bootstrap peer (also ``python -m petals.cli.run_dht``).
+
+Prints the multiaddrs others join with on stdout, one per line (ready for ``--initial_peers``),
+then keeps the DHT running until SIGINT/SIGTERM and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import click
+from hivemind.dht import DHTNode
+
+from petals.cli.run_server import configure_logging
+from petals.networking import network_cli_options, network_options_from_cli, option, split_words
+
+logger = logging.getLogger(__name__)
+
+
+@click.command(
+    "dht", context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]}
+)
+@option(
+    "--refresh_period", type=float, default=30, show_default=True, help="Seconds between status log lines."
+)
+@network_cli_options
+def dht_command(refresh_period: float, **options: Any) -> None:
+    """Run a DHT bootstrap peer for a (new or existing) swarm."""
+    configure_logging()
+    network = network_options_from_cli(
+        initial_peers=split_words(options.pop("initial_peers")),
+        host_maddrs=split_words(options.pop("host_maddrs")),
+        announce_maddrs=split_words(options.pop("announce_maddrs")),
+        default_initial_peers=(),
+        **options,
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        p2p = await network.create_p2p()
+        node = await DHTNode.create(p2p=p2p, initial_peers=list(network.initial_peers))
+        try:
+            for maddr in await p2p.get_visible_maddrs():
+                click.echo(str(maddr))
+            click.get_text_stream("stdout").flush()
+            logger.info(
+                "DHT bootstrap peer %s is running; pass the lines above to --initial_peers", p2p.peer_id
+            )
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), refresh_period)
+                except TimeoutError:
+                    peers = await p2p.list_peers()
+                    logger.info(
+                        "%d peers connected, %d DHT records stored", len(peers), len(node.protocol.storage)
+                    )
+        finally:
+            await node.shutdown()
+            await p2p.shutdown()
+            logger.info("DHT peer stopped")
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    dht_command()

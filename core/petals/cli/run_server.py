@@ -1,0 +1,299 @@
+"""``petals serve MODEL``: host blocks of a model in a swarm (also ``python -m petals.cli.run_server``).
+
+Options take both spellings (``--num_blocks`` and ``--num-blocks``), can come from a YAML file
+(``-c server.yml``, keys as option names) and from ``PETALS_<OPTION>`` environment variables
+(``PETALS_NUM_BLOCKS=4``). Precedence: command line, environment, config file, defaults.
+
+``--torch_dtype auto`` serves in the checkpoint's dtype, except that float32 checkpoints are served
+in bfloat16 on GPUs (as Petals does) and stay float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from petals.networking import exclusive, network_cli_options, network_options_from_cli, option, split_words
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+NOT_YET_SUPPORTED = "is not yet supported by petals-core; remove it to serve the model"
+
+
+def load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    """``-c FILE``: a YAML mapping of option names to values, used as defaults for this command."""
+    if path is None:
+        return None
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise click.BadParameter(f"cannot read {path}: {error}", ctx, param) from error
+    if not isinstance(values, dict):
+        raise click.BadParameter(f"{path} must hold a mapping of option names to values", ctx, param)
+    ctx.default_map = {**(ctx.default_map or {}), **{str(k).replace("-", "_"): v for k, v in values.items()}}
+    return path
+
+
+def parse_block_indices(ctx: click.Context, param: click.Parameter, value: str | None) -> range | None:
+    if value is None:
+        return None
+    start, colon, end = value.partition(":")
+    if not colon or not start.strip().isdigit() or not end.strip().isdigit() or int(start) >= int(end):
+        raise click.BadParameter(f"expected START:END with START < END, e.g. 0:8; got {value!r}", ctx, param)
+    return range(int(start), int(end))
+
+
+def parse_throughput(ctx: click.Context, param: click.Parameter, value: str) -> str | float:
+    if value in ("auto", "eval", "dry_run"):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"expected auto, eval, dry_run or a number; got {value!r}", ctx, param
+        ) from None
+    if not number >= 0:
+        raise click.BadParameter("throughput must be >= 0", ctx, param)
+    return number
+
+
+@click.command(
+    "serve", context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]}
+)
+@click.argument("model")
+@click.option(
+    "-c",
+    "--config",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=load_config_file,
+    help="YAML file with option values.",
+)
+@option("--public_name", help="Your name on the swarm's health monitor.")
+@option("--token", help="Hugging Face token for gated or private models.")
+@option(
+    "--num_blocks", type=click.IntRange(min=1), help="Host this many blocks, where the swarm needs them most."
+)
+@option(
+    "--block_indices", callback=parse_block_indices, help="Host exactly blocks START:END (no rebalancing)."
+)
+@option("--dht_prefix", help="DHT key prefix (default: derived from the model name by its family's rule).")
+@option(
+    "--torch_dtype", type=click.Choice(DTYPES), default="auto", show_default=True, help="Dtype to serve in."
+)
+@option(
+    "--quant_type",
+    type=click.Choice(("none", "int8", "nf4")),
+    default="none",
+    show_default=True,
+    help="Weight quantization.",
+)
+@option("--tensor_parallel_devices", multiple=True, help="Split each block over these devices.")
+@option("--adapters", multiple=True, help="LoRA adapters (repos) to preload.")
+@option("--device", help="torch device (default: cuda if available, else cpu).")
+@option(
+    "--throughput",
+    default="auto",
+    show_default=True,
+    callback=parse_throughput,
+    help="auto (measure once, cached), eval (measure again), dry_run (measure, print, exit) or a number.",
+)
+@option(
+    "--num_handlers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Accepted for compatibility; requests are served by one asyncio loop.",
+)
+@option("--max_batch_size", type=click.IntRange(min=1), help="Max tokens (batch × length) per request.")
+@option("--inference_max_length", type=click.IntRange(min=1), help="Max max_length of an inference session.")
+@option("--attn_cache_tokens", type=click.IntRange(min=1), help="KV-cache budget in tokens per hosted block.")
+@option("--request_timeout", type=float, default=180, show_default=True, help="Seconds per forward/backward.")
+@option("--session_timeout", type=float, default=1800, show_default=True, help="Max seconds of one session.")
+@option(
+    "--step_timeout", type=float, default=300, show_default=True, help="Max seconds between session steps."
+)
+@option(
+    "--update_period", type=float, default=60, show_default=True, help="Seconds between DHT announcements."
+)
+@option("--expiration", type=float, help="DHT record lifetime (default: max(2 × update_period, 3)).")
+@option(
+    "--balance_quality",
+    type=float,
+    default=0.75,
+    show_default=True,
+    help="Move when swarm throughput < this × what moving would give (0: never, >1: always).",
+)
+@option(
+    "--mean_balance_check_period",
+    type=float,
+    default=60,
+    show_default=True,
+    help="Mean seconds between rebalancing checks.",
+)
+@option("--stats_period", type=float, default=60, show_default=True, help="Seconds between status log lines.")
+@option(
+    "--cache_dir",
+    type=click.Path(file_okay=False),
+    help="Hugging Face cache for downloaded weights (default: HF's) and home of the throughput cache "
+    "(default: $PETALS_CACHE or ~/.cache/petals).",
+)
+@option("--max_disk_space", help="Accepted for compatibility; disk space is not managed yet.")
+@network_cli_options
+def serve_command(model: str, **options: Any) -> None:
+    """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
+    configure_logging()
+    for name in ("tensor_parallel_devices", "adapters"):
+        if options[name]:
+            raise click.UsageError(f"--{name} {NOT_YET_SUPPORTED}")
+    if options["quant_type"] != "none":
+        raise click.UsageError(f"--quant_type {options['quant_type']} {NOT_YET_SUPPORTED}")
+    exclusive(
+        ("--num_blocks", options["num_blocks"] is not None),
+        ("--block_indices", options["block_indices"] is not None),
+    )
+    if options["num_blocks"] is None and options["block_indices"] is None:
+        raise click.UsageError(
+            "pass --num_blocks N (blocks chosen by the swarm's needs) or --block_indices START:END"
+        )
+    network = network_options_from_cli(
+        initial_peers=split_words(options.pop("initial_peers")),
+        host_maddrs=split_words(options.pop("host_maddrs")),
+        announce_maddrs=split_words(options.pop("announce_maddrs")),
+        **{name: options.pop(name) for name in NETWORK_SCALARS},
+    )
+    settings = build_settings(model, network, options)
+    if settings is None:
+        return
+    sys.exit(run_server(settings))
+
+
+NETWORK_SCALARS = (
+    "new_swarm",
+    "port",
+    "public_ip",
+    "identity_path",
+    "loopback",
+    "no_nat_port_map",
+    "no_auto_nat",
+    "no_relay",
+    "use_auto_relay",
+)
+
+
+def build_settings(model: str, network, options: dict[str, Any]):
+    """Resolve defaults that depend on the model and the machine; ``None`` after ``--throughput dry_run``."""
+    import torch
+
+    from petals.auto import AutoDistributedConfig
+    from petals.plugins import PluginError
+    from petals.server.server import ServerSettings
+    from petals.server.throughput import ThroughputInfo, get_server_throughput
+
+    cache_dir = Path(options["cache_dir"]) if options["cache_dir"] else None
+    try:
+        config = AutoDistributedConfig.from_pretrained(
+            model, dht_prefix=options["dht_prefix"], cache_dir=cache_dir, token=options["token"]
+        )
+    except (PluginError, OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(options["torch_dtype"], config, device)
+    total_blocks = config.num_hidden_layers
+    blocks = options["block_indices"]
+    if blocks is not None and blocks.stop > total_blocks:
+        raise click.UsageError(
+            f"--block_indices {blocks.start}:{blocks.stop}: the model has {total_blocks} blocks"
+        )
+    num_blocks = len(blocks) if blocks is not None else min(options["num_blocks"], total_blocks)
+    grouped_kv = config.num_key_value_groups > 1  # Petals' defaults are larger for GQA/multi-query models
+    throughput = options["throughput"]
+    if isinstance(throughput, float):
+        throughput_info = ThroughputInfo(throughput)
+    else:
+        throughput_cache = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
+        throughput_info = get_server_throughput(
+            config, dtype, device, num_blocks, cache_dir or throughput_cache, force_eval=throughput != "auto"
+        )
+        if throughput == "dry_run":
+            click.echo(json.dumps(throughput_info.__dict__))
+            return None
+    if options["max_disk_space"]:
+        logger.info("--max_disk_space is accepted but not enforced yet")
+    return ServerSettings(
+        model=model,
+        network=network,
+        throughput=throughput_info,
+        dtype=dtype,
+        device=device,
+        num_blocks=num_blocks,
+        block_indices=blocks,
+        dht_prefix=config.dht_prefix,
+        token=options["token"],
+        cache_dir=cache_dir,
+        max_batch_size=options["max_batch_size"] or (8192 if grouped_kv else 2048),
+        inference_max_length=options["inference_max_length"] or (8192 if grouped_kv else 2048),
+        attn_cache_tokens=options["attn_cache_tokens"] or (16384 if grouped_kv else 4096),
+        request_timeout=options["request_timeout"],
+        session_timeout=options["session_timeout"],
+        step_timeout=options["step_timeout"],
+        update_period=options["update_period"],
+        expiration=options["expiration"],
+        balance_quality=options["balance_quality"],
+        mean_balance_check_period=options["mean_balance_check_period"],
+        stats_period=options["stats_period"],
+        public_name=options["public_name"],
+    )
+
+
+def resolve_dtype(name: str, config, device):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype == torch.float32:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return dtype
+
+
+def run_server(settings) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit code."""
+    from petals.server.server import Server
+
+    server = Server(settings)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, server.stop.set)
+        await server.run()
+
+    asyncio.run(main())
+    return 0
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("PETALS_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    serve_command()

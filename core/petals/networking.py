@@ -1,0 +1,164 @@
+"""How our peers join the libp2p network: listen/announce addresses, bootstrap peers, NAT and relays.
+
+Both ``petals serve`` and ``petals dht`` create one ``hivemind.p2p.P2P`` from a ``NetworkOptions``.
+hivemind's ``P2P.create`` turns NAT port mapping (UPnP/NAT-PMP probes of the LAN gateway), AutoNAT
+and circuit relays on by default; ``--loopback`` turns all of them off and listens on 127.0.0.1 only,
+so a local swarm (tests, demos) sends nothing beyond the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from hivemind.p2p import P2P
+
+PUBLIC_INITIAL_PEERS = (
+    "/dns/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/dns/bootstrap2.petals.dev/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+    "/dns6/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/dns6/bootstrap2.petals.dev/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+    "/ip4/159.89.214.152/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/ip4/159.203.156.48/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+)
+ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """Everything ``P2P.create`` needs to know about the network."""
+
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] = ALL_INTERFACES
+    announce_maddrs: Sequence[str] | None = None
+    identity_path: str | None = None
+    nat_port_map: bool = True
+    auto_nat: bool = True
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    startup_timeout: float = 60
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def create_p2p(self) -> P2P:
+        return await P2P.create(
+            initial_peers=list(self.initial_peers),
+            host_maddrs=list(self.host_maddrs),
+            announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
+            identity_path=self.identity_path,
+            nat_port_map=self.nat_port_map,
+            auto_nat=self.auto_nat,
+            use_relay=self.use_relay,
+            use_auto_relay=self.use_auto_relay,
+            startup_timeout=self.startup_timeout,
+            **self.extra,
+        )
+
+
+def network_options_from_cli(
+    *,
+    initial_peers: Sequence[str],
+    new_swarm: bool,
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    port: int | None,
+    public_ip: str | None,
+    identity_path: str | None,
+    loopback: bool,
+    no_nat_port_map: bool,
+    no_auto_nat: bool,
+    no_relay: bool,
+    use_auto_relay: bool,
+    default_initial_peers: Sequence[str] = PUBLIC_INITIAL_PEERS,
+) -> NetworkOptions:
+    """Resolve the CLI's network options (mutually exclusive pairs fail with a ``click.UsageError``)."""
+    exclusive(("--initial_peers", bool(initial_peers)), ("--new_swarm", new_swarm))
+    exclusive(("--port", port is not None), ("--host_maddrs", bool(host_maddrs)))
+    exclusive(("--public_ip", public_ip is not None), ("--announce_maddrs", bool(announce_maddrs)))
+    if public_ip is not None and not port:
+        raise click.UsageError("--public_ip needs a fixed, non-zero --port to announce")
+    if new_swarm:
+        peers: Sequence[str] = ()
+    else:
+        peers = tuple(initial_peers) or tuple(default_initial_peers)
+    if loopback and peers and any(peer in PUBLIC_INITIAL_PEERS for peer in peers):
+        raise click.UsageError("--loopback cannot join the public swarm: pass --initial_peers or --new_swarm")
+    if port is not None:
+        hosts = (
+            (f"/ip4/127.0.0.1/tcp/{port}",)
+            if loopback
+            else (f"/ip4/0.0.0.0/tcp/{port}", f"/ip6/::/tcp/{port}")
+        )
+    else:
+        hosts = tuple(host_maddrs) or (LOOPBACK_MADDRS if loopback else ALL_INTERFACES)
+    announce = (f"/ip4/{public_ip}/tcp/{port}",) if public_ip is not None else tuple(announce_maddrs) or None
+    return NetworkOptions(
+        initial_peers=peers,
+        host_maddrs=hosts,
+        announce_maddrs=announce,
+        identity_path=identity_path,
+        nat_port_map=not (loopback or no_nat_port_map),
+        auto_nat=not (loopback or no_auto_nat),
+        use_relay=not (loopback or no_relay),
+        use_auto_relay=use_auto_relay and not loopback,
+    )
+
+
+def exclusive(*flags: tuple[str, bool]) -> None:
+    given = [name for name, is_given in flags if is_given]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} are mutually exclusive: use only one of them")
+
+
+def split_words(values: Sequence[str]) -> tuple[str, ...]:
+    """Accept ``--opt a b`` style lists given as one space-separated string, repeated options, or YAML lists."""
+    return tuple(word for value in values for word in str(value).split())
+
+
+def network_cli_options(command: Callable) -> Callable:
+    """The network options shared by ``petals serve`` and ``petals dht``, in both spellings."""
+    options = [
+        option(
+            "--initial_peers", multiple=True, help="Multiaddrs of peers to join (repeat or space-separate)."
+        ),
+        option("--new_swarm", is_flag=True, help="Start a new private swarm (no initial peers)."),
+        option(
+            "--host_maddrs",
+            multiple=True,
+            help="Multiaddrs to listen on (default: all interfaces, random port).",
+        ),
+        option("--announce_maddrs", multiple=True, help="Multiaddrs to announce to other peers."),
+        option(
+            "--port",
+            type=int,
+            help="Listen on this TCP port (on all interfaces, or 127.0.0.1 with --loopback).",
+        ),
+        option("--public_ip", help="Announce this IP with --port (for servers behind port forwarding)."),
+        option(
+            "--identity_path", type=click.Path(dir_okay=False), help="Private key file for a stable peer id."
+        ),
+        option(
+            "--loopback",
+            is_flag=True,
+            help="Listen on 127.0.0.1 only, with NAT port mapping, AutoNAT and relays off (tests, one-machine swarms).",
+        ),
+        option(
+            "--no_nat_port_map", is_flag=True, help="Do not ask the LAN gateway to map a port (UPnP/NAT-PMP)."
+        ),
+        option("--no_auto_nat", is_flag=True, help="Disable the AutoNAT service."),
+        option("--no_relay", is_flag=True, help="Disable libp2p circuit relays."),
+        option("--use_auto_relay", is_flag=True, help="Look for relays automatically when behind NAT."),
+    ]
+    for decorate in reversed(options):
+        command = decorate(command)
+    return command
+
+
+def option(name: str, *more: str, **kwargs: Any) -> Callable:
+    """A click option accepting both ``--snake_case`` and ``--kebab-case`` spellings."""
+    names = [name, *more]
+    if "_" in name:
+        names.append(name.replace("_", "-"))
+    return click.option(*names, **kwargs)

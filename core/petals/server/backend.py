@@ -1,0 +1,107 @@
+"""The blocks a server hosts and the torch computations it runs on them.
+
+Everything here runs in the compute thread (``scheduler.ComputeQueue``). Inputs arrive on CPU in
+the client's dtype; each block computes in the server's dtype on the server's device; outputs go
+back to CPU in the server's dtype. Deep prompts ``[B|1, pre_len, H]`` are added to the first
+``pre_len`` positions of a block's input, as Petals does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hivemind.proto import runtime_pb2
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
+from transformers import PretrainedConfig
+
+from petals.block import allocate_cache, kv_cache_layout
+from petals.kv_cache import BlockCache
+
+
+@dataclass
+class BlockBackend:
+    """One hosted block: its uid, module and where and how it computes."""
+
+    uid: str
+    index: int
+    module: torch.nn.Module
+    config: PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+
+    def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(self._input(hidden, prompt), None)
+
+    def backward(
+        self, hidden: torch.Tensor, prompt: torch.Tensor | None, grad_output: torch.Tensor
+    ) -> torch.Tensor:
+        """Gradient of ``sum(output * grad_output)`` w.r.t. the block's input.
+
+        The input enters as ``hidden + prompt`` on the first positions, so this is also the deep
+        prompt's gradient there (unreduced over the batch, as Petals returns it).
+        """
+        hidden = self._input(hidden, prompt).requires_grad_(True)
+        with torch.enable_grad():
+            output = self.module(hidden, None)
+            (grad_input,) = torch.autograd.grad(output, hidden, grad_output.to(self.device, output.dtype))
+        return grad_input
+
+    def inference_step(
+        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: BlockCache
+    ) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(self._input(hidden, prompt), cache)
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache:
+        return allocate_cache(self.config, batch_size, max_length, self.dtype, self.device)
+
+    def _input(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        hidden = hidden.to(self.device, self.dtype)
+        return add_prompt(hidden, prompt.to(self.device, self.dtype) if prompt is not None else None)
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+    if prompt is None:
+        return hidden
+    pre_len = prompt.shape[-2]
+    return torch.cat([hidden[:, :pre_len] + prompt, hidden[:, pre_len:]], dim=1)
+
+
+class HostedBlocks:
+    """The consecutive blocks ``[start, end)`` this server serves, by uid, with their wire schemas."""
+
+    def __init__(
+        self, backends: list[BlockBackend], compression: int = runtime_pb2.CompressionType.NONE
+    ) -> None:
+        self.backends = {backend.uid: backend for backend in backends}
+        self.start = min(backend.index for backend in backends)
+        self.end = max(backend.index for backend in backends) + 1
+        first = backends[0]
+        self.config, self.dtype, self.device = first.config, first.dtype, first.device
+        self.hidden_size: int = first.config.hidden_size
+        self.bytes_per_token = kv_cache_layout(first.config).bytes_per_token(first.dtype)
+        hidden = BatchTensorDescriptor(1, 2048, self.hidden_size, dtype=self.dtype, compression=compression)
+        self.args_schema = (hidden,)
+        self.outputs_schema = (hidden,)
+        self.inference_schema = (
+            (
+                hidden,
+                BatchTensorDescriptor((), dtype=self.dtype),
+                BatchTensorDescriptor((), dtype=torch.int64),
+            ),
+            {},
+        )
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def schema_info(self) -> dict:
+        """The per-block part of ``rpc_info`` (the same for every block of the span)."""
+        return {
+            "forward_schema": (self.args_schema, {}),
+            "outputs_schema": self.outputs_schema,
+            "keyword_names": (),
+            "inference_schema": self.inference_schema,
+        }

@@ -1,0 +1,506 @@
+"""``TransformerConnectionHandler``: the RPCs a Petals client calls on a server.
+
+hivemind registers every ``rpc_*`` method as protocol ``"TransformerConnectionHandler.<method>"``,
+the ids stock Petals clients call, so the class name is part of the wire protocol. Every request is
+checked (uids, metadata, tensor dtypes and shapes, lengths, sizes, adapters) before any compute;
+a bad one fails alone with a ``WireError`` whose text reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 (hivemind spots streams by typing's alias)
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+import petals
+from petals.constants import CHAIN_DELIMITER
+from petals.data_structures import make_uids, parse_uid_chain
+from petals.server.backend import BlockBackend, HostedBlocks
+from petals.server.memory import AllocationFailed, CacheBudget
+from petals.server.scheduler import ComputeQueue, Priority
+from petals.server.sessions import InferenceSession, SessionRegistry
+from petals.wire import (
+    WireError,
+    deserialize_tensors,
+    is_dummy,
+    read_metadata,
+    read_stream,
+    response_parts,
+    serialize_tensor,
+    unpack_args,
+    write_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
+
+
+class InferenceArgs(NamedTuple):
+    hidden: torch.Tensor
+    prompts: list[torch.Tensor | None]
+    hypo_ids: torch.Tensor | None
+    request: runtime_pb2.ExpertRequest  # as received, forwarded by rpc_push
+
+
+@dataclass(frozen=True)
+class HandlerLimits:
+    max_batch_size: int  # tokens (batch × length) per request
+    inference_max_length: int
+    request_timeout: float
+    session_timeout: float
+    step_timeout: float
+    adapters: tuple[str, ...] = ()
+
+
+class TransformerConnectionHandler(ServicerBase):
+    """Serves forward, backward and inference sessions over the blocks of one ``HostedBlocks``."""
+
+    def __init__(
+        self,
+        blocks: HostedBlocks,
+        dht_prefix: str,
+        p2p: P2P,
+        compute: ComputeQueue,
+        budget: CacheBudget,
+        sessions: SessionRegistry,
+        limits: HandlerLimits,
+    ) -> None:
+        self.blocks, self.dht_prefix, self.p2p = blocks, dht_prefix, p2p
+        self.compute, self.budget, self.sessions, self.limits = compute, budget, sessions, limits
+        self._background: set[asyncio.Task] = set()
+
+    # ---- rpc_info ----------------------------------------------------------------------------
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        async with self._reporting("rpc_info", context):
+            info: dict[str, Any] = {
+                "version": petals.__version__,
+                "dht_client_mode": False,
+                "cache_tokens_available": self.budget.tokens_left,
+            }
+            if request.uid:
+                self._backends(request.uid)
+                info.update(self.blocks.schema_info())
+            return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
+
+    # ---- forward / backward ------------------------------------------------------------------
+
+    async def rpc_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        async with self._reporting("rpc_forward", context):
+            metadata = read_metadata(request.metadata)
+            output = await self._forward_request(request.uid, metadata, deserialize_tensors(request.tensors))
+            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs([output], metadata))
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with self._reporting("rpc_forward_stream", context):
+            uid, metadata, tensors = await read_stream(requests)
+            output = await self._forward_request(uid, metadata, tensors)
+            for part in response_parts(self._serialize_outputs([output], metadata)):
+                yield part
+
+    async def rpc_backward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        async with self._reporting("rpc_backward", context):
+            metadata = read_metadata(request.metadata)
+            grads = await self._backward_request(request.uid, metadata, deserialize_tensors(request.tensors))
+            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs(grads, metadata))
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with self._reporting("rpc_backward_stream", context):
+            uid, metadata, tensors = await read_stream(requests)
+            grads = await self._backward_request(uid, metadata, tensors)
+            for part in response_parts(self._serialize_outputs(grads, metadata)):
+                yield part
+
+    async def _forward_request(self, uid: str, metadata: dict, tensors: list[torch.Tensor]) -> torch.Tensor:
+        backends = self._backends(uid)
+        self._check_adapter(metadata)
+        args = unpack_args(tensors, metadata.get("args_structure"))
+        if not args:
+            raise WireError("rpc_forward expects (hidden_states, prompts)")
+        hidden = self._check_hidden(args[0], allow_empty=False)
+        prompts = self._check_prompts(args[1] if len(args) > 1 else None, len(backends), hidden)
+        return await asyncio.wait_for(
+            self._run_forward(backends, hidden, prompts), self.limits.request_timeout
+        )
+
+    async def _run_forward(
+        self, backends: Sequence[BlockBackend], hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None]
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0] * hidden.shape[1]
+        for backend, prompt in zip(backends, prompts, strict=True):
+            hidden = await self.compute.run(Priority.FORWARD, tokens, _bind(backend.forward, hidden, prompt))
+        return hidden
+
+    async def _backward_request(
+        self, uid: str, metadata: dict, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        backends = self._backends(uid)
+        self._check_adapter(metadata)
+        args = unpack_args(tensors, metadata.get("args_structure"))
+        if len(args) < 2:
+            raise WireError("rpc_backward expects (inputs, grad_outputs, prompts)")
+        hidden = self._check_hidden(args[0], allow_empty=False)
+        grad_output = self._check_hidden(args[1], allow_empty=False)
+        if grad_output.shape != hidden.shape:
+            raise WireError(
+                f"grad_outputs shape {list(grad_output.shape)} differs from inputs {list(hidden.shape)}"
+            )
+        prompts = self._check_prompts(args[2] if len(args) > 2 else None, len(backends), hidden)
+        run = self._run_backward(backends, hidden, grad_output, prompts)
+        return await asyncio.wait_for(run, self.limits.request_timeout)
+
+    async def _run_backward(
+        self,
+        backends: Sequence[BlockBackend],
+        hidden: torch.Tensor,
+        grad_output: torch.Tensor,
+        prompts: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        tokens = hidden.shape[0] * hidden.shape[1]
+        inputs = [hidden]
+        for backend, prompt in zip(backends[:-1], prompts[:-1], strict=True):
+            inputs.append(
+                await self.compute.run(Priority.FORWARD, tokens, _bind(backend.forward, inputs[-1], prompt))
+            )
+        grad_prompts = []
+        for backend, prompt, block_input in reversed(list(zip(backends, prompts, inputs, strict=True))):
+            task = _bind(backend.backward, block_input, prompt, grad_output)
+            grad_output = await self.compute.run(Priority.FORWARD, tokens, task)
+            if prompt is not None:
+                grad_prompts.append(grad_output[:, : prompt.shape[-2]])
+        if not grad_prompts:
+            return [grad_output]
+        return [grad_output, torch.stack(grad_prompts[::-1])]
+
+    # ---- inference ---------------------------------------------------------------------------
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with self._reporting("rpc_inference", context):
+            first = await self._first_request(requests)
+            if first is None:
+                return
+            backends = self._backends(first.uid)
+            metadata = read_metadata(first.metadata)
+            self._check_adapter(metadata)
+            max_length = metadata.get("max_length")
+            if max_length is None:
+                raise WireError("the first inference request must carry metadata max_length")
+            if max_length > self.limits.inference_max_length:
+                raise WireError(
+                    f"max_length {max_length} exceeds this server's --inference_max_length "
+                    f"{self.limits.inference_max_length}"
+                )
+            args = self._inference_args(first, metadata, metadata, len(backends))
+            batch_size = args[0].shape[0]
+            nbytes = self.budget.session_bytes(batch_size, max_length, len(backends))
+            alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
+            async with self.budget.reserve(nbytes, alloc_timeout):
+                allocate = _bind(_allocate_caches, backends, batch_size, max_length)
+                caches = await self.compute.run(Priority.DECODE, 0, allocate)
+                session_id = metadata.get("session_id") or str(uuid.uuid4())
+                session = InferenceSession(session_id, list(backends), caches, batch_size, max_length)
+                with self.sessions.registered(session):
+                    async for response in self._serve_session(session, args, metadata, requests):
+                        yield response
+
+    async def _first_request(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> runtime_pb2.ExpertRequest | None:
+        try:
+            return await asyncio.wait_for(anext(requests), self.limits.step_timeout)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise WireError(
+                f"no inference request within --step_timeout {self.limits.step_timeout} s"
+            ) from None
+
+    async def _serve_session(
+        self,
+        session: InferenceSession,
+        first_args: InferenceArgs,
+        first_metadata: dict,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One response per step until the client sends an empty request or leaves."""
+        reader = asyncio.create_task(_feed(requests, session.inbox))
+        deadline = time.monotonic() + self.limits.session_timeout
+        args, metadata = first_args, first_metadata
+        try:
+            while True:
+                response = await self._inference_step(session, args, metadata)
+                if response is not None:
+                    yield response
+                request = await self._next_step(session, deadline)
+                if request is None or not request.tensors:
+                    return
+                metadata = read_metadata(request.metadata)
+                args = self._inference_args(request, metadata, first_metadata, len(session.backends))
+        finally:
+            reader.cancel()
+
+    async def _next_step(
+        self, session: InferenceSession, deadline: float
+    ) -> runtime_pb2.ExpertRequest | None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WireError(f"session exceeded --session_timeout {self.limits.session_timeout} s")
+        try:
+            return await asyncio.wait_for(session.inbox.get(), min(self.limits.step_timeout, left))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise WireError(
+                    f"session exceeded --session_timeout {self.limits.session_timeout} s"
+                ) from None
+            raise WireError(f"no inference step within --step_timeout {self.limits.step_timeout} s") from None
+
+    async def _inference_step(
+        self, session: InferenceSession, args: InferenceArgs, metadata: dict
+    ) -> runtime_pb2.ExpertResponse | None:
+        step_id = metadata.get("step_id")
+        if step_id is not None:
+            if step_id in session.done_steps:
+                return None  # already computed from a push by the previous server
+            session.done_steps.add(step_id)
+        hidden, prompts, hypo_ids, request = args
+        if hidden.shape[0] != session.batch_size:
+            raise WireError(
+                f"this session has batch size {session.batch_size}, got hidden states of {hidden.shape[0]}"
+            )
+        if hypo_ids is not None:
+            self._check_hypo_ids(hypo_ids, session.batch_size)
+        start = metadata.get("start_from_position")
+        if start is not None and start > session.position:
+            raise WireError(
+                f"start_from_position {start} is beyond the {session.position} tokens processed so far"
+            )
+        position = session.position if start is None else start
+        if position + hidden.shape[1] > session.max_length:
+            raise WireError(
+                f"Maximum length exceeded: {position} tokens so far + {hidden.shape[1]} new > "
+                f"max_length {session.max_length}"
+            )
+        output = await self._run_inference(session, hidden, prompts, hypo_ids, start)
+        output_proto = serialize_tensor(output.to(self.blocks.dtype))
+        next_servers = metadata.get("next_servers")
+        if next_servers and all(prompt is None for prompt in prompts):
+            self._spawn(self._push(output_proto, request, metadata))
+        return runtime_pb2.ExpertResponse(tensors=[output_proto])
+
+    async def _run_inference(
+        self,
+        session: InferenceSession,
+        hidden: torch.Tensor,
+        prompts: list[torch.Tensor | None],
+        hypo_ids: torch.Tensor | None,
+        start: int | None,
+    ) -> torch.Tensor:
+        await self.compute.run(Priority.DECODE, 0, _bind(_prepare_caches, session.caches, hypo_ids, start))
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens == 0:
+            return hidden
+        steps = list(zip(session.backends, prompts, session.caches, strict=True))
+        if tokens <= MAX_SHORT_INFERENCE_TOKENS:
+            return await self.compute.run(Priority.DECODE, tokens, _bind(_inference_steps, steps, hidden))
+        for step in steps:  # a long prefill: one task per block so others' decode steps slip in between
+            hidden = await self.compute.run(Priority.PREFILL, tokens, _bind(_inference_steps, [step], hidden))
+        return hidden
+
+    def _inference_args(
+        self, request: runtime_pb2.ExpertRequest, metadata: dict, first_metadata: dict, num_blocks: int
+    ) -> InferenceArgs:
+        structure = metadata.get("args_structure", first_metadata.get("args_structure"))
+        args = unpack_args(deserialize_tensors(request.tensors), structure)
+        if not args:
+            raise WireError("an inference step expects (hidden_states, prompts, hypo_ids)")
+        hidden = self._check_hidden(args[0], allow_empty=True)
+        prompts = self._check_prompts(args[1] if len(args) > 1 else None, num_blocks, hidden)
+        hypo_ids = args[2] if len(args) > 2 and not is_dummy(args[2]) else None
+        return InferenceArgs(hidden, prompts, hypo_ids, request)
+
+    # ---- push --------------------------------------------------------------------------------
+
+    async def rpc_push(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """A previous server hands us the next step of one of our sessions (unknown sessions are ignored)."""
+        async with self._reporting("rpc_push", context):
+            self._backends(request.uid)
+            metadata = read_metadata(request.metadata)
+            session = self.sessions.get(metadata.get("session_id"))
+            if session is not None:
+                session.inbox.put_nowait(request)
+            return runtime_pb2.ExpertResponse()
+
+    async def _push(
+        self, output: runtime_pb2.Tensor, request: runtime_pb2.ExpertRequest, metadata: dict
+    ) -> None:
+        peer_b58, session_id, start, end = metadata["next_servers"][0]
+        pushed = runtime_pb2.ExpertRequest(
+            uid=CHAIN_DELIMITER.join(make_uids(self.dht_prefix, start, end)),
+            tensors=[output, *request.tensors[1:]],
+            metadata=write_metadata(
+                {
+                    **metadata,
+                    "session_id": session_id,
+                    "next_servers": metadata["next_servers"][1:],
+                    "pushed": True,
+                }
+            ),
+        )
+        try:
+            stub = type(self).get_stub(self.p2p, PeerID.from_base58(peer_b58))
+            await stub.rpc_push(pushed, timeout=self.limits.request_timeout)
+        except (
+            Exception
+        ) as error:  # the client sends every step itself too, so a failed push costs only latency
+            logger.debug("Push to %s failed: %s", peer_b58, error)
+
+    # ---- checks and helpers ------------------------------------------------------------------
+
+    def _backends(self, uid_chain: str) -> list[BlockBackend]:
+        uids = parse_uid_chain(uid_chain)
+        if not uids:
+            raise WireError("the request names no block uids")
+        missing = [uid for uid in uids if uid not in self.blocks.backends]
+        if missing:
+            raise WireError(
+                f"this server does not serve {', '.join(missing[:3])}; it serves "
+                f"{self.dht_prefix}.{self.blocks.start} to {self.dht_prefix}.{self.blocks.end - 1}"
+            )
+        return [self.blocks.backends[uid] for uid in uids]
+
+    def _check_adapter(self, metadata: dict) -> None:
+        adapter = metadata.get("active_adapter")
+        if adapter and adapter not in self.limits.adapters:
+            available = ", ".join(self.limits.adapters) or "none"
+            raise WireError(f"unknown adapter {adapter!r}; this server has: {available}")
+
+    def _check_hidden(self, hidden: torch.Tensor, *, allow_empty: bool) -> torch.Tensor:
+        if not hidden.is_floating_point():
+            raise WireError(f"hidden states must be a floating-point tensor, got {hidden.dtype}")
+        if hidden.ndim != 3:
+            raise WireError(
+                f"hidden states must have shape [batch, length, hidden], got {list(hidden.shape)}"
+            )
+        if hidden.shape[-1] != self.blocks.hidden_size:
+            raise WireError(f"hidden size is {hidden.shape[-1]}, this model's is {self.blocks.hidden_size}")
+        if hidden.shape[0] == 0 or (hidden.shape[1] == 0 and not allow_empty):
+            raise WireError(f"hidden states are empty: shape {list(hidden.shape)}")
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens > self.limits.max_batch_size:
+            raise WireError(
+                f"the request has {tokens} tokens (batch × length), more than this server's "
+                f"--max_batch_size {self.limits.max_batch_size}; split it"
+            )
+        return hidden
+
+    def _check_prompts(
+        self, prompts: torch.Tensor | None, num_blocks: int, hidden: torch.Tensor
+    ) -> list[torch.Tensor | None]:
+        if prompts is None or is_dummy(prompts):
+            return [None] * num_blocks
+        if not prompts.is_floating_point() or prompts.ndim != 4:
+            raise WireError(
+                f"deep prompts must be a float tensor [blocks, batch, pre_len, hidden], got {prompts.shape}"
+            )
+        blocks, batch, pre_len, hidden_size = prompts.shape
+        if blocks != num_blocks or batch not in (1, hidden.shape[0]) or hidden_size != hidden.shape[-1]:
+            raise WireError(
+                f"deep prompts of shape {list(prompts.shape)} do not fit {num_blocks} blocks and hidden states "
+                f"{list(hidden.shape)}"
+            )
+        if pre_len > hidden.shape[1]:
+            raise WireError(
+                f"deep prompts cover {pre_len} positions but the step has only {hidden.shape[1]} tokens"
+            )
+        return list(prompts)
+
+    @staticmethod
+    def _check_hypo_ids(hypo_ids: torch.Tensor, batch_size: int) -> None:
+        if hypo_ids.dtype != torch.int64 or hypo_ids.shape != (batch_size,):
+            raise WireError(
+                f"hypo_ids must be int64 of shape [{batch_size}], got {hypo_ids.dtype} {list(hypo_ids.shape)}"
+            )
+        if hypo_ids.numel() and not (0 <= int(hypo_ids.min()) and int(hypo_ids.max()) < batch_size):
+            raise WireError(f"hypo_ids must be in [0, {batch_size}), got {hypo_ids.tolist()}")
+
+    def _serialize_outputs(self, outputs: Sequence[torch.Tensor], metadata: dict) -> list[runtime_pb2.Tensor]:
+        compressions = metadata.get("output_compression") or [runtime_pb2.CompressionType.NONE] * len(outputs)
+        if len(compressions) != len(outputs):
+            raise WireError(f"output_compression has {len(compressions)} entries for {len(outputs)} outputs")
+        return [
+            serialize_tensor(t.to(self.blocks.dtype), c) for t, c in zip(outputs, compressions, strict=True)
+        ]
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @asynccontextmanager
+    async def _reporting(self, method: str, context: P2PContext) -> AsyncIterator[None]:
+        try:
+            yield
+        except (WireError, AllocationFailed, TimeoutError) as error:
+            logger.info("%s from %s refused: %s", method, _short(context.remote_id), error)
+            raise
+        except Exception:
+            logger.exception("%s from %s failed", method, _short(context.remote_id))
+            raise
+
+
+def _short(peer_id: PeerID) -> str:
+    return str(peer_id)[-6:]
+
+
+def _bind(function, *args):
+    return lambda: function(*args)
+
+
+async def _feed(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:
+    """Move the client's next requests into the session inbox; ``None`` marks the end of the stream."""
+    try:
+        async for request in requests:
+            inbox.put_nowait(request)
+    finally:
+        inbox.put_nowait(None)
+
+
+def _allocate_caches(backends: Sequence[BlockBackend], batch_size: int, max_length: int) -> list:
+    return [backend.allocate_cache(batch_size, max_length) for backend in backends]
+
+
+def _prepare_caches(caches: list, hypo_ids: torch.Tensor | None, start: int | None) -> None:
+    for cache in caches:
+        if start is not None:
+            cache.rewind(start)
+        if hypo_ids is not None:
+            cache.reorder(hypo_ids)
+
+
+def _inference_steps(steps: list, hidden: torch.Tensor) -> torch.Tensor:
+    for backend, prompt, cache in steps:
+        hidden = backend.inference_step(hidden, prompt, cache)
+    return hidden.cpu()

@@ -1,0 +1,311 @@
+"""A Petals server's life: join the swarm, choose blocks, load them, serve, rebalance, leave.
+
+Everything runs in one asyncio loop of one process (plus hivemind's p2pd daemon): one ``P2P``, a
+``DHTNode`` on it, the handler's RPCs on it, and one compute thread for torch. The server announces
+its blocks as JOINING while loading, ONLINE while serving and OFFLINE when it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hivemind.dht import DHTNode
+from hivemind.p2p import P2P
+
+import petals
+from petals.auto import AutoDistributedConfig
+from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
+from petals.dht import declare_active_modules, declare_model, expiration_from_now, get_remote_module_infos
+from petals.loading import Checkpoint, load_block
+from petals.networking import NetworkOptions
+from petals.server.backend import BlockBackend, HostedBlocks
+from petals.server.block_selection import choose_best_blocks, choose_new_blocks
+from petals.server.handler import HandlerLimits, TransformerConnectionHandler
+from petals.server.memory import CacheBudget
+from petals.server.scheduler import ComputeQueue
+from petals.server.sessions import SessionRegistry
+from petals.server.throughput import ThroughputInfo
+
+logger = logging.getLogger(__name__)
+
+READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.testing.swarm waits for it
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything ``petals serve`` decides before the server starts (see ``petals serve --help``)."""
+
+    model: str
+    network: NetworkOptions
+    throughput: ThroughputInfo
+    dtype: torch.dtype
+    device: torch.device
+    num_blocks: int | None = None
+    block_indices: range | None = None
+    dht_prefix: str | None = None
+    token: str | None = None
+    cache_dir: Path | None = None
+    max_batch_size: int = 2048
+    inference_max_length: int = 2048
+    attn_cache_tokens: int = 8192
+    request_timeout: float = 3 * 60
+    session_timeout: float = 30 * 60
+    step_timeout: float = 5 * 60
+    update_period: float = 60
+    expiration: float | None = None
+    balance_quality: float = 0.75
+    mean_balance_check_period: float = 60
+    stats_period: float = 60
+    public_name: str | None = None
+    adapters: tuple[str, ...] = ()
+
+
+class Server:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.config = AutoDistributedConfig.from_pretrained(
+            settings.model, dht_prefix=settings.dht_prefix, cache_dir=settings.cache_dir, token=settings.token
+        )
+        self.dht_prefix: str = self.config.dht_prefix
+        self.total_blocks: int = self.config.num_hidden_layers
+        self.all_uids = make_uids(self.dht_prefix, 0, self.total_blocks)
+        self.expiration = settings.expiration or max(2 * settings.update_period, 3)
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        """Serve until ``stop`` is set, then leave the swarm cleanly."""
+        started = time.perf_counter()
+        p2p = await self.settings.network.create_p2p()
+        node = await DHTNode.create(
+            p2p=p2p, initial_peers=list(self.settings.network.initial_peers), num_workers=self.total_blocks
+        )
+        maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
+        logger.info(
+            "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
+        )
+        compute = ComputeQueue()
+        compute.start()
+        try:
+            blocks = await self._choose_blocks(node)
+            while blocks is not None and not self.stop.is_set():
+                span = ServingSpan(self, p2p, node, compute, blocks)
+                try:
+                    if not await self._until_stopped(span.start()):
+                        break
+                    blocks = await span.serve_until_moved()
+                finally:
+                    await span.leave()
+        finally:
+            compute.shutdown()
+            await node.shutdown()
+            await p2p.shutdown()
+            logger.info("Left the swarm")
+
+    async def _until_stopped(self, coroutine) -> bool:
+        """Run ``coroutine`` unless the server is stopped first (then cancel it and return False)."""
+        task, stopped = asyncio.create_task(coroutine), asyncio.create_task(self.stop.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            return False
+        task.result()
+        return True
+
+    async def _choose_blocks(self, node: DHTNode) -> range:
+        if self.settings.block_indices is not None:
+            return self.settings.block_indices
+        infos = await get_remote_module_infos(node, self.all_uids, latest=True)
+        return choose_best_blocks(self.settings.num_blocks, infos)
+
+    def server_info(self, state: ServerState, blocks: range, budget: CacheBudget | None) -> ServerInfo:
+        return ServerInfo(
+            state=state,
+            throughput=float(self.settings.throughput.throughput),
+            start_block=blocks.start,
+            end_block=blocks.stop,
+            public_name=self.settings.public_name,
+            version=petals.__version__,
+            forward_rps=self.settings.throughput.forward_rps,
+            inference_rps=self.settings.throughput.inference_rps,
+            adapters=self.settings.adapters,
+            torch_dtype=str(self.settings.dtype).removeprefix("torch."),
+            quant_type="none",
+            using_relay=False,
+            cache_tokens_left=budget.tokens_left if budget is not None else None,
+            next_pings=None,
+        )
+
+    def model_info(self) -> ModelInfo:
+        model = self.settings.model
+        repository = None if Path(model).is_dir() else f"https://huggingface.co/{model}"
+        return ModelInfo(num_blocks=self.total_blocks, repository=repository)
+
+
+class ServingSpan:
+    """One stint of serving one range of blocks: load, announce, serve, rebalance check, leave."""
+
+    def __init__(self, server: Server, p2p: P2P, node: DHTNode, compute: ComputeQueue, blocks: range) -> None:
+        self.server, self.p2p, self.node, self.compute, self.blocks = server, p2p, node, compute, blocks
+        self.settings = server.settings
+        self.uids = make_uids(server.dht_prefix, blocks.start, blocks.stop)
+        self.state = ServerState.JOINING
+        self.budget: CacheBudget | None = None
+        self.sessions = SessionRegistry()
+        self.handler: TransformerConnectionHandler | None = None
+        self._announcer: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        logger.info(
+            "Hosting blocks %d:%d of %s (%d blocks in the model)",
+            self.blocks.start,
+            self.blocks.stop,
+            self.server.dht_prefix,
+            self.server.total_blocks,
+        )
+        self._announcer = asyncio.create_task(self._announce_periodically())
+        await self._announce(ServerState.JOINING)
+        hosted = HostedBlocks(await asyncio.to_thread(self._load_blocks))
+        max_bytes = self.settings.attn_cache_tokens * hosted.bytes_per_token * len(hosted)
+        self.budget = CacheBudget(max_bytes, hosted.bytes_per_token)
+        limits = HandlerLimits(
+            max_batch_size=self.settings.max_batch_size,
+            inference_max_length=self.settings.inference_max_length,
+            request_timeout=self.settings.request_timeout,
+            session_timeout=self.settings.session_timeout,
+            step_timeout=self.settings.step_timeout,
+            adapters=self.settings.adapters,
+        )
+        self.handler = TransformerConnectionHandler(
+            hosted, self.server.dht_prefix, self.p2p, self.compute, self.budget, self.sessions, limits
+        )
+        await self.handler.add_p2p_handlers(self.p2p)
+        await self._announce(ServerState.ONLINE)
+        logger.info(
+            "%s: blocks %d:%d, %s on %s, KV cache for %d tokens per block (%.1f MiB)",
+            READY_MESSAGE,
+            self.blocks.start,
+            self.blocks.stop,
+            str(self.settings.dtype).removeprefix("torch."),
+            self.settings.device,
+            self.settings.attn_cache_tokens,
+            max_bytes / 2**20,
+        )
+
+    def _load_blocks(self) -> list[BlockBackend]:
+        checkpoint = Checkpoint.open(
+            self.settings.model, cache_dir=self.settings.cache_dir, token=self.settings.token
+        )
+        backends = []
+        for count, index in enumerate(self.blocks, start=1):
+            started = time.perf_counter()
+            module = load_block(
+                self.settings.model,
+                index,
+                self.settings.dtype,
+                config=self.server.config,
+                checkpoint=checkpoint,
+            ).to(self.settings.device)
+            backends.append(
+                BlockBackend(
+                    self.uids[count - 1],
+                    index,
+                    module,
+                    self.server.config,
+                    self.settings.dtype,
+                    self.settings.device,
+                )
+            )
+            logger.info(
+                "Loaded block %d (%d/%d) in %.2f s",
+                index,
+                count,
+                len(self.blocks),
+                time.perf_counter() - started,
+            )
+        return backends
+
+    async def serve_until_moved(self) -> range | None:
+        """Serve until the server stops (→ None) or should move to other blocks (→ the new range)."""
+        next_stats = time.monotonic() + self.settings.stats_period
+        next_check = time.monotonic() + self._balance_delay()
+        tokens_before = self.compute.tokens_processed
+        while True:
+            wake_at = min(next_stats, next_check)
+            try:
+                await asyncio.wait_for(self.server.stop.wait(), max(0.0, wake_at - time.monotonic()))
+                return None
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            if now >= next_stats:
+                tokens = self.compute.tokens_processed
+                self._log_stats((tokens - tokens_before) / self.settings.stats_period)
+                tokens_before, next_stats = tokens, now + self.settings.stats_period
+            if now >= next_check:
+                next_check = now + self._balance_delay()
+                new_blocks = await self._new_blocks()
+                if new_blocks is not None:
+                    return new_blocks
+
+    async def _new_blocks(self) -> range | None:
+        if self.settings.block_indices is not None:
+            return None
+        infos = await get_remote_module_infos(self.node, self.server.all_uids, latest=True)
+        new_blocks = choose_new_blocks(self.p2p.peer_id, infos, self.settings.balance_quality)
+        if new_blocks is None or new_blocks == self.blocks:
+            return None
+        logger.info(
+            "Rebalancing: moving from blocks %d:%d to %d:%d", *_bounds(self.blocks), *_bounds(new_blocks)
+        )
+        return new_blocks
+
+    def _balance_delay(self) -> float:
+        return random.uniform(0, 2 * self.settings.mean_balance_check_period)
+
+    def _log_stats(self, tokens_per_second: float) -> None:
+        logger.info(
+            "Serving %d sessions, %.1f tokens/s, KV cache left: %d tokens",
+            len(self.sessions),
+            tokens_per_second,
+            self.budget.tokens_left if self.budget else 0,
+        )
+
+    async def leave(self) -> None:
+        """Announce OFFLINE, stop taking requests, end open sessions."""
+        self.sessions.close_all()
+        if self.handler is not None:
+            await self.handler.remove_p2p_handlers(self.p2p)
+        if self._announcer is not None:
+            self._announcer.cancel()
+        try:
+            await asyncio.wait_for(self._announce(ServerState.OFFLINE), timeout=5)
+        except Exception as error:  # leaving must not fail; the records expire anyway
+            logger.warning("Could not announce OFFLINE: %s", error)
+        logger.info("Announced OFFLINE for blocks %d:%d", *_bounds(self.blocks))
+
+    async def _announce(self, state: ServerState) -> None:
+        self.state = state
+        expiration = expiration_from_now(self.server.expiration)
+        info = self.server.server_info(state, self.blocks, self.budget)
+        await declare_active_modules(self.node, self.uids, info, expiration)
+        if state != ServerState.OFFLINE:
+            await declare_model(self.node, self.server.dht_prefix, self.server.model_info(), expiration)
+
+    async def _announce_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.update_period)
+            try:
+                await self._announce(self.state)
+            except Exception as error:
+                logger.warning("Announcing to the DHT failed: %s", error)
+
+
+def _bounds(blocks: range) -> tuple[int, int]:
+    return blocks.start, blocks.stop

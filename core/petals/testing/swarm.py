@@ -1,0 +1,158 @@
+"""Start a real local swarm: ``petals dht`` and ``petals serve`` subprocesses on 127.0.0.1.
+
+Every process runs with ``--loopback`` (listen on 127.0.0.1, no NAT port mapping, no AutoNAT, no
+relays), so nothing leaves the machine. Processes are stopped through their own handles (SIGINT,
+then SIGKILL after a timeout), never by matching names.
+
+    with start_dht() as dht, start_server(model_dir, dht.initial_peers, "--block_indices", "0:2") as server:
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from petals.server.server import READY_MESSAGE
+
+PEER_ID_PATTERN = re.compile(r"Joined the swarm in [\d.]+ s as (\S+)")
+
+
+class SwarmProcessError(RuntimeError):
+    """A swarm process exited or did not become ready in time; the message holds its log."""
+
+
+class SwarmProcess:
+    """A running ``petals`` subprocess whose stderr (the log) is collected line by line."""
+
+    def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.started_at = time.perf_counter()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.stdout_lines: list[str] = []
+        self.log_lines: list[str] = []
+        self._changed = threading.Condition()
+        self._readers = [
+            threading.Thread(
+                target=self._collect, args=(self.process.stdout, self.stdout_lines), daemon=True
+            ),
+            threading.Thread(target=self._collect, args=(self.process.stderr, self.log_lines), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def log(self) -> str:
+        return "".join(self.log_lines)
+
+    def _collect(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            with self._changed:
+                lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        """Wait until ``predicate()`` returns something truthy; fail with the log if the process dies."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                result = predicate()
+                if result:
+                    return result
+                if self.process.poll() is not None and not any(reader.is_alive() for reader in self._readers):
+                    raise SwarmProcessError(
+                        f"{self.name} exited with {self.process.returncode} before {what}:\n{self.log}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SwarmProcessError(f"{self.name}: no {what} within {timeout} s:\n{self.log}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_for_log(self, text: str, timeout: float = 30) -> str:
+        return self.wait_for(
+            lambda: next((line for line in self.log_lines if text in line), None), timeout, repr(text)
+        )
+
+    def stop(self, timeout: float = 15) -> int:
+        """SIGINT, then SIGKILL if it has not exited within ``timeout`` s; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return self.process.returncode
+
+    def __enter__(self) -> SwarmProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class DhtProcess(SwarmProcess):
+    initial_peers: list[str]
+
+
+class ServerProcess(SwarmProcess):
+    peer_id: str
+    ready_seconds: float
+
+
+def start_dht(*args: str, timeout: float = 30) -> DhtProcess:
+    """A bootstrap peer; ``.initial_peers`` holds the multiaddrs it printed."""
+    process = DhtProcess("petals dht", ["petals.cli.run_dht", "--loopback", *args])
+    try:
+        process.wait_for(lambda: process.stdout_lines, timeout, "printed multiaddrs")
+        time.sleep(0.05)  # let the remaining lines of the same write arrive
+        process.initial_peers = [line.strip() for line in process.stdout_lines if line.startswith("/")]
+    except BaseException:
+        process.stop()
+        raise
+    return process
+
+
+def start_server(
+    model: str | Path,
+    initial_peers: Sequence[str],
+    *args: str,
+    timeout: float = 60,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """``petals serve MODEL --loopback --initial_peers ...``, by default waiting until it is ONLINE."""
+    peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
+    command = ["petals.cli.run_server", str(model), "--loopback", *peers, *args]
+    process = ServerProcess(f"petals serve {Path(str(model)).name} {' '.join(args)}", command, env)
+    try:
+        joined = process.wait_for_log("Joined the swarm", timeout)
+        process.peer_id = PEER_ID_PATTERN.search(joined).group(1)
+        if wait_ready:
+            process.wait_for_log(READY_MESSAGE, timeout)
+            process.ready_seconds = time.perf_counter() - process.started_at
+    except BaseException:
+        process.stop()
+        raise
+    return process
