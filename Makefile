@@ -23,6 +23,9 @@ $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGI
 
 install: $(INSTALLED)
 
+demo: $(INSTALLED)
+	$(BIN)/petals demo
+
 test: $(INSTALLED)
 	$(BIN)/python -m pytest
 

@@ -36,3 +36,15 @@ def plugins_command(hooks: bool) -> None:
             click.echo(f"\thooks: {', '.join(manager.hooks_of(name))}")
     for failure in manager.failures:
         click.echo(f"{failure.name}\tFAILED TO LOAD: {failure.error}", err=True)
+
+
+from petals.cli.run_dht import dht_command  # noqa: E402
+from petals.cli.run_server import serve_command  # noqa: E402
+
+main.add_command(serve_command)
+main.add_command(dht_command)
+from petals.cli.demo import demo_command  # noqa: E402
+from petals.cli.generate import generate_command  # noqa: E402
+
+main.add_command(demo_command)
+main.add_command(generate_command)

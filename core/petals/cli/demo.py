@@ -1,0 +1,122 @@
+"""``petals demo``: a whole swarm on this machine answering a question with a real model.
+
+Prepares SmolLM2-135M-Instruct once, starts a bootstrap peer and three servers of 10 blocks each
+as real processes on 127.0.0.1, asks the question through the distributed client with the chat
+template, streams the answer, prints the swarm map and timings, and shuts everything down (also on
+Ctrl-C). ``--keep`` leaves the swarm running and prints how to connect to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import click
+
+from petals.cli.generate import LOOPBACK_CLIENT, encode
+
+QUESTION = "What is the capital of France?"
+SERVER_RANGES = ("0:10", "10:20", "20:30")
+
+
+@click.command("demo")
+@click.option("--question", default=QUESTION, show_default=True)
+@click.option("--max_new_tokens", "--max-new-tokens", default=48, show_default=True)
+@click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
+@click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
+def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep: bool) -> None:
+    """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
+    from petals.demo_model import prepare_demo_model
+    from petals.server.server import READY_MESSAGE
+    from petals.testing.swarm import start_dht, start_server
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    click.echo("Preparing the model (first run only: converts the GGUF file shipped on PyPI) ...")
+    model_path = prepare_demo_model(cache_dir)
+    timings["prepare model"] = time.perf_counter() - started
+
+    with contextlib.ExitStack() as swarm:
+        started = time.perf_counter()
+        dht = swarm.enter_context(start_dht())
+        click.echo(f"Bootstrap peer: {dht.initial_peers[0]}")
+        servers = [
+            swarm.enter_context(
+                start_server(
+                    model_path,
+                    dht.initial_peers,
+                    "--block_indices",
+                    blocks,
+                    "--torch_dtype",
+                    "float32",
+                    wait_ready=False,
+                    timeout=180,
+                )
+            )
+            for blocks in SERVER_RANGES
+        ]
+        for server, blocks in zip(servers, SERVER_RANGES, strict=True):
+            server.wait_for_log(READY_MESSAGE, timeout=180)
+            click.echo(f"Server {server.peer_id[-8:]} is ONLINE with blocks {blocks}")
+        timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
+        answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
+        click.echo("\nTimings:")
+        for what, seconds in timings.items():
+            click.echo(f"  {what:<40} {seconds:7.2f} s")
+        if keep:
+            wait_for_ctrl_c(model_path, dht.initial_peers)
+        click.echo("Shutting the swarm down ...")
+    click.echo("Done.")
+
+
+def answer_question(model_path, initial_peers, question: str, max_new_tokens: int, timings: dict) -> None:
+    from transformers import AutoTokenizer, TextStreamer
+
+    from petals import AutoDistributedModelForCausalLM
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=initial_peers, **LOOPBACK_CLIENT
+    )
+    timings["client: load embeddings/head, join swarm"] = time.perf_counter() - started
+    try:
+        inputs = encode(tokenizer, question, chat=True)
+        click.echo(f"\nQ: {question}\nA: ", nl=False)
+        started = time.perf_counter()
+        output = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        )
+        elapsed = time.perf_counter() - started
+        new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
+        timings[f"generate {new_tokens} tokens through 3 servers"] = elapsed
+        timings["  per token"] = elapsed / max(new_tokens, 1)
+        print_swarm_map(model)
+    finally:
+        model.remote_blocks.network.close()
+
+
+def print_swarm_map(model) -> None:
+    """Which server holds which blocks, as the client last read the DHT records."""
+    click.echo("\nSwarm map (DHT records the client routed with):")
+    spans = sorted(model.remote_blocks.manager.spans.values(), key=lambda span: span.start)
+    for span in spans:
+        info = span.server_info
+        click.echo(
+            f"  blocks {span.start:>2}:{span.end:<2}  server ...{span.peer_id.to_base58()[-8:]}  "
+            f"{info.state.name}  dtype {info.torch_dtype}  cache tokens left {info.cache_tokens_left}"
+        )
+
+
+def wait_for_ctrl_c(model_path, initial_peers) -> None:
+    peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
+    click.echo(
+        f"\nThe swarm keeps running. Connect with:\n  petals generate {model_path} {peers} --loopback --chat "
+        f'"Tell me about Paris"\nPress Ctrl-C to stop it.'
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.pause()

@@ -1,0 +1,68 @@
+"""``petals generate MODEL --initial_peers ... "prompt"``: stream a completion from any swarm."""
+
+from __future__ import annotations
+
+import click
+
+# what a client passes to stay on this machine: listen on 127.0.0.1 only, no NAT traversal or relays
+LOOPBACK_CLIENT = {
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "nat_port_map": False,
+    "auto_nat": False,
+    "use_relay": False,
+}
+
+
+@click.command("generate")
+@click.argument("model")
+@click.argument("prompt")
+@click.option(
+    "--initial_peers", "--initial-peers", multiple=True, required=True, help="Multiaddr of a swarm peer."
+)
+@click.option(
+    "--dht_prefix", "--dht-prefix", default=None, help="DHT prefix of the model (default: derived)."
+)
+@click.option("--max_new_tokens", "--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 means greedy decoding.")
+@click.option("--top_p", "--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=None, type=int, help="Seed for sampling.")
+@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays.")
+def generate_command(
+    model, prompt, initial_peers, dht_prefix, max_new_tokens, temperature, top_p, seed, chat, loopback
+):
+    """Generate text with MODEL's blocks served by a swarm, streaming tokens as they come."""
+    import torch
+    from transformers import AutoTokenizer, TextStreamer
+
+    from petals import AutoDistributedModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    network_options = LOOPBACK_CLIENT if loopback else {}
+    distributed = AutoDistributedModelForCausalLM.from_pretrained(
+        model, initial_peers=list(initial_peers), dht_prefix=dht_prefix, **network_options
+    )
+    try:
+        inputs = encode(tokenizer, prompt, chat)
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else {}
+        distributed.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            **sampling,
+        )
+    finally:
+        distributed.remote_blocks.network.close()
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> dict:
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        return dict(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        )
+    return dict(tokenizer(prompt, return_tensors="pt"))
