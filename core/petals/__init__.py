@@ -22,6 +22,11 @@ _LAZY = {
     "ServerBlockMixin": "petals.block",
     "load_block": "petals.loading",
     "get_plugin_manager": "petals.plugins",
+    "AutoDistributedModelForCausalLM": "petals.client.model",
+    "AutoDistributedModel": "petals.client.model",
+    "AutoDistributedModelForSequenceClassification": "petals.client.model",
+    "RemoteSequential": "petals.client.remote_sequential",
+    "InferenceSession": "petals.client.inference_session",
 }
 
 __all__ = ["__version__", "hookimpl", *_LAZY]

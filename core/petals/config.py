@@ -40,6 +40,12 @@ class ClientConfig:
     active_adapter: str | None = None
     max_pinged: int = 3
     ping_timeout: float = 2
+    # the client's own libp2p peer (hivemind P2P.create); tests and one-machine swarms listen on
+    # 127.0.0.1 only with NAT port mapping, AutoNAT and relays off
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    nat_port_map: bool = True
+    auto_nat: bool = True
+    use_relay: bool = True
 
 
 class PTuneConfig:

@@ -1,0 +1,110 @@
+"""transformers' ``generate`` over an inference session.
+
+The servers hold the KV caches; the client passes transformers a ``RemotePastKeyValues`` that only
+reports how many positions the session has seen and turns beam reorders into ``hypo_ids`` for the
+next step. ``generate`` opens a session when none is active; inside an active session, several
+calls continue it: earlier tokens are prepended (so repetition penalties see them) but not
+recomputed, and each call returns the new inputs plus what it generated.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from petals.client.inference_session import InferenceSession
+
+
+class RemotePastKeyValues(Cache):
+    """A cache with no tensors: the length seen by a remote session, and pending beam reorders."""
+
+    def __init__(self, session: InferenceSession) -> None:
+        super().__init__(layers=[])
+        self.session = session
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.session.position
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.session.position + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]  # an attention cache (transformers treats an empty layer list as all-linear)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.session.pending_hypo_ids = beam_idx.detach().cpu().to(torch.int64)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("rolling back a remote inference session is not supported")
+
+
+class RemoteGenerationMixin:
+    """Put in front of a transformers model class whose transformer blocks are a ``RemoteSequential``."""
+
+    def generate(
+        self, inputs: torch.Tensor | None = None, *args, session: InferenceSession | None = None, **kwargs
+    ):
+        remote = self.remote_blocks
+        if session is not None and remote.active_session is None:
+            with remote.use_session(session):
+                return self._generate_in_session(session, inputs, *args, **kwargs)
+        if remote.active_session is not None:
+            return self._generate_in_session(remote.active_session, inputs, *args, **kwargs)
+        max_length = _session_length(self, inputs, kwargs)
+        with remote.inference_session(max_length=max_length) as new_session:
+            return self._generate_in_session(new_session, inputs, *args, **kwargs)
+
+    def _generate_in_session(self, session: InferenceSession, inputs: torch.Tensor | None, *args, **kwargs):
+        inputs = kwargs.pop("input_ids", inputs)
+        _check_unpadded(kwargs.pop("attention_mask", None), inputs)
+        previous = session.output_ids
+        if previous is not None:
+            inputs = previous if inputs is None else torch.cat([previous, inputs.to(previous.device)], dim=1)
+        if inputs is None:
+            raise ValueError("generate needs input_ids (or a session that has already seen some)")
+        kwargs["cache"] = RemotePastKeyValues(session)
+        kwargs["attention_mask"] = torch.ones_like(inputs)
+        output = super().generate(inputs, *args, **kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        session.output_ids = sequences
+        if previous is None:
+            return output
+        if isinstance(output, torch.Tensor):
+            return output[:, previous.shape[1] :]
+        output.sequences = sequences[:, previous.shape[1] :]
+        return output
+
+
+def _session_length(model, inputs: torch.Tensor | None, kwargs: dict) -> int:
+    input_ids = kwargs.get("input_ids", inputs)
+    input_length = input_ids.shape[1] if input_ids is not None else 0
+    if kwargs.get("max_new_tokens") is not None:
+        length = input_length + kwargs["max_new_tokens"]
+    elif kwargs.get("max_length") is not None:
+        length = kwargs["max_length"]
+    elif (
+        kwargs.get("generation_config") is not None and kwargs["generation_config"].max_new_tokens is not None
+    ):
+        length = input_length + kwargs["generation_config"].max_new_tokens
+    else:
+        config = kwargs.get("generation_config") or model.generation_config
+        length = max(config.max_length or 0, input_length + (config.max_new_tokens or 0))
+    return length + model.prompt_length
+
+
+def _check_unpadded(attention_mask: torch.Tensor | None, inputs: torch.Tensor | None) -> None:
+    if attention_mask is None:
+        return
+    if inputs is not None and attention_mask.shape != inputs.shape:
+        raise ValueError(
+            f"attention_mask of shape {list(attention_mask.shape)} does not match inputs {list(inputs.shape)}"
+        )
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            "padded batches are not supported: remote servers attend to every position, so all sequences of a "
+            "batch must have the same length (attention_mask all ones). Generate for each length separately."
+        )

@@ -1,0 +1,279 @@
+"""Inference sessions: one ``rpc_inference`` stream per server span, with failover that replays history.
+
+Every server session remembers the hidden states it was sent (``history``: the inputs of its first
+block for every position so far). When a server fails or stalls, the session bans it, routes its
+blocks again (minimum latency, enough KV cache) and sends the replacement the whole history plus the
+current step as its first message, so the replacement rebuilds its cache and answers for the same
+positions. If the blocks are split over several replacements, each one's replay output is the next
+one's history. Positions never go out of step, so a healthy replacement is never blamed for the
+dead server (Petals issue #587).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from hivemind.p2p import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from petals.client.routing import MissingBlocksError, RemoteSequenceManager
+from petals.client.rpc import open_inference_stream
+from petals.data_structures import RemoteSpanInfo
+from petals.wire import deserialize_tensor, pack_args_kwargs, serialize_tensor, write_metadata
+
+logger = logging.getLogger(__name__)
+
+EMPTY = torch.empty(0)
+EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+
+
+class _ServerSession:
+    """One open ``rpc_inference`` stream to the server computing ``span`` (blocks ``[start, end)``)."""
+
+    def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int) -> None:
+        self.manager, self.span, self.max_length = manager, span, max_length
+        self.session_id = str(uuid.uuid4())
+        self.history: torch.Tensor | None = None  # [batch, position, hidden]: everything this server was sent
+        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+
+    @property
+    def position(self) -> int:
+        return 0 if self.history is None else self.history.shape[1]
+
+    async def _request_stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        step_id: str,
+        next_servers: list[list[Any]] | None,
+    ) -> torch.Tensor:
+        config = self.manager.config
+        tensors, args_structure = pack_args_kwargs(
+            hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
+        )
+        metadata: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step_id": step_id,
+            "args_structure": args_structure,
+        }
+        if self._responses is None:
+            metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
+        if next_servers:
+            metadata["next_servers"] = next_servers
+        request = runtime_pb2.ExpertRequest(
+            uid=self.manager.chain_uid(self.span.start, self.span.end),
+            tensors=[serialize_tensor(tensor) for tensor in tensors],
+            metadata=write_metadata(metadata),
+        )
+        if self._responses is None:
+            self._responses = await asyncio.wait_for(
+                open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
+                config.connect_timeout,
+            )
+        self._requests.put_nowait(request)
+        response = await asyncio.wait_for(anext(self._responses), config.request_timeout)
+        if len(response.tensors) != 1:
+            raise RuntimeError(
+                f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
+            )
+        output = deserialize_tensor(response.tensors[0])
+        if output.shape != hidden.shape:
+            raise RuntimeError(
+                f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
+            )
+        self.history = hidden if self.history is None else torch.cat([self.history, hidden], dim=1)
+        return output.to(hidden.dtype)
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        if self.history is not None:
+            self.history = self.history[hypo_ids]
+
+    async def close(self) -> None:
+        """End the stream politely (an empty request), without waiting long for a dead server."""
+        if self._responses is None:
+            return
+        self._requests.put_nowait(runtime_pb2.ExpertRequest())
+        self._requests.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_drain(self._responses), 1.0)
+        self._responses = None
+
+
+async def _close_all(sessions: list[_ServerSession]) -> None:
+    await asyncio.gather(*(session.close() for session in sessions))
+
+
+async def _drain(responses: AsyncIterator) -> None:
+    async for _ in responses:
+        pass
+
+
+class InferenceSession:
+    """A multi-step inference session over all blocks of a ``RemoteSequenceManager``.
+
+    Use as a context manager; ``step(hidden)`` sends ``[batch, n, hidden]`` states for ``n`` new
+    positions through all blocks and returns the last block's outputs.
+    """
+
+    def __init__(self, manager: RemoteSequenceManager, max_length: int) -> None:
+        self.manager, self.max_length = manager, max_length
+        self.position = 0
+        self.output_ids: torch.Tensor | None = None  # tokens seen so far (kept by generate)
+        self.pending_hypo_ids: torch.Tensor | None = None  # a beam reorder for the next step
+        self._sessions: list[_ServerSession] = []
+        self._closed = False
+
+    @property
+    def route(self) -> list[RemoteSpanInfo]:
+        return [session.span for session in self._sessions]
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            sessions, self._sessions = self._sessions, []
+            self.manager.network.run(_close_all(sessions), timeout=30)
+
+    def step(
+        self, hidden: torch.Tensor, prompts: torch.Tensor | None = None, hypo_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("this inference session is closed")
+        if hidden.ndim != 3:
+            raise ValueError(
+                f"hidden states must have shape [batch, length, hidden], got {list(hidden.shape)}"
+            )
+        if self.position + hidden.shape[1] > self.max_length:
+            raise ValueError(
+                f"the session's max_length {self.max_length} is exceeded: {self.position} tokens so far + "
+                f"{hidden.shape[1]} new; open the session with a larger max_length"
+            )
+        if hypo_ids is None:
+            hypo_ids, self.pending_hypo_ids = self.pending_hypo_ids, None
+        if prompts is not None and prompts.numel() and prompts.shape[0] != len(self.manager):
+            raise ValueError(
+                f"deep prompts must have {len(self.manager)} blocks, got shape {list(prompts.shape)}"
+            )
+        device, dtype = hidden.device, hidden.dtype
+        inputs = hidden.detach().cpu()
+        hypo_ids = hypo_ids.detach().cpu().to(torch.int64) if hypo_ids is not None else None
+        prompts = prompts.detach().cpu() if prompts is not None and prompts.numel() else None
+        output = self.manager.network.run(self._step(inputs, prompts, hypo_ids))
+        self.position += hidden.shape[1]
+        return output.to(device=device, dtype=dtype)
+
+    async def _step(
+        self, hidden: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        if hypo_ids is not None:
+            for session in self._sessions:
+                session.reorder(hypo_ids)
+        step_id = str(uuid.uuid4())
+        num_blocks = len(self.manager)
+        replay: torch.Tensor | None = (
+            None  # earlier positions' states at the current boundary, for a fresh server
+        )
+        index, block, attempt = 0, 0, 0
+        while block < num_blocks:
+            try:
+                if index == len(self._sessions):
+                    self._sessions.extend(await self._open(block, num_blocks))
+                session = self._sessions[index]
+                fresh = session.position == 0 and self.position > 0
+                if fresh and replay is None:
+                    raise RuntimeError(
+                        f"no history to replay for blocks {session.span.start}:{session.span.end}"
+                    )
+                inputs = torch.cat([replay, hidden], dim=1) if fresh else hidden
+                span_prompts = prompts[session.span.start : session.span.end] if prompts is not None else None
+                if fresh:
+                    span_prompts = None  # deep prompts are sent with position 0 only (not replayed yet)
+                output = await session.step(
+                    inputs,
+                    span_prompts,
+                    None if fresh else hypo_ids,
+                    step_id,
+                    None if fresh else self._next_servers(index),
+                )
+                self.manager.on_request_success(session.span.peer_id)
+                if fresh:
+                    replay, hidden = output[:, : replay.shape[1]], output[:, replay.shape[1] :]
+                else:
+                    replay, hidden = None, output
+                block = session.span.end
+                index += 1
+                attempt = 0
+            except MissingBlocksError:
+                raise
+            except P2PHandlerError as error:
+                if "max_length" in str(error) and "exceeds" in str(error):
+                    raise ValueError(f"a server refused the session: {error}") from error
+                replay = await self._fail_over(index, replay, error, attempt)
+                attempt += 1
+            except Exception as error:
+                replay = await self._fail_over(index, replay, error, attempt)
+                attempt += 1
+        return hidden
+
+    async def _open(self, start: int, end: int) -> list[_ServerSession]:
+        spans = await self.manager.make_sequence(
+            start, end, mode="min_latency", cache_tokens_needed=self.max_length
+        )
+        return [_ServerSession(self.manager, span, self.max_length) for span in spans]
+
+    async def _fail_over(
+        self, index: int, replay: torch.Tensor | None, error: BaseException, attempt: int
+    ) -> torch.Tensor | None:
+        """Drop the failed server session; the next loop iteration routes its blocks anew."""
+        self.manager.check_retries(attempt, error)
+        if index >= len(self._sessions):  # routing itself failed
+            logger.warning("Routing failed (%s); retrying", error)
+            await asyncio.sleep(self.manager.retry_delay(attempt))
+            return replay
+        failed = self._sessions[index]
+        logger.warning(
+            "Server %s failed on blocks %d:%d (%s: %s); routing around it",
+            failed.span.peer_id,
+            failed.span.start,
+            failed.span.end,
+            type(error).__name__,
+            error,
+        )
+        self.manager.on_request_failure(failed.span.peer_id)
+        if failed.position > 0:
+            replay = failed.history  # what the failed server had seen: the replacement rebuilds from it
+        spans = await self.manager.make_sequence(
+            failed.span.start, failed.span.end, mode="min_latency", cache_tokens_needed=self.max_length
+        )
+        self._sessions[index : index + 1] = [
+            _ServerSession(self.manager, span, self.max_length) for span in spans
+        ]
+        asyncio.ensure_future(failed.close())
+        await asyncio.sleep(self.manager.retry_delay(attempt))
+        return replay
+
+    def _next_servers(self, index: int) -> list[list[Any]] | None:
+        """Downstream sessions that already hold this session's past, for server-to-server pushes."""
+        if not self.manager.config.use_server_to_server or self.position == 0:
+            return None
+        downstream = self._sessions[index + 1 :]
+        if not downstream or any(session.position != self.position for session in downstream):
+            return None
+        return [[s.span.peer_id.to_base58(), s.session_id, s.span.start, s.span.end] for s in downstream]

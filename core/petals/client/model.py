@@ -1,0 +1,356 @@
+"""Distributed models: a transformers model whose transformer blocks run in the swarm.
+
+No family needs model code here. The transformers class of the checkpoint's model type is built
+with no layers (and its parameters on the meta device), then its layer list (the family config's
+``block_prefix``) becomes a one-element list holding ``_RemoteLayers``, which runs every block
+remotely and returns what an HF layer returns. Embeddings, norms and the LM head run locally with
+transformers' own code, loaded from only their tensors in the checkpoint.
+
+Prompt tuning (``tuning_mode`` "ptune" / "deep_ptune", ``pre_seq_len``): trainable prompts are
+prepended to the input embeddings at position 0 (a forward hook on the input embeddings), deep
+prompts ``[num_blocks, batch, pre_seq_len, hidden]`` travel to the servers, and the prompt
+positions are stripped from the blocks' output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PretrainedConfig,
+)
+
+from petals.auto import AutoDistributedConfig
+from petals.client.generation import RemoteGenerationMixin
+from petals.client.inference_session import InferenceSession
+from petals.client.lm_head import ChunkedLMHead
+from petals.client.network import ClientNetwork
+from petals.client.remote_sequential import RemoteSequential
+from petals.loading import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+PTUNE_MODES = ("ptune", "deep_ptune")
+_HUB_KWARGS = ("cache_dir", "revision", "token")
+
+
+class _RemoteLayers(nn.Module):
+    """The only entry of the HF layer list: all blocks, remotely."""
+
+    def __init__(self, remote: RemoteSequential, output_is_tuple: bool, owner: DistributedModelMixin) -> None:
+        super().__init__()
+        self.remote = remote
+        self.output_is_tuple = output_is_tuple
+        self._owner = weakref.ref(owner)  # not a submodule: the owner contains us
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        owner = self._owner()
+        prefix, owner.prepended_prompts = owner.prepended_prompts, 0
+        deep = owner.deep_prompts(hidden_states.shape[0], hidden_states.dtype) if prefix else None
+        output = self.remote(hidden_states, deep)
+        if prefix:
+            output = output[:, prefix:]
+            if self.remote.active_session is not None:
+                self.remote.active_session.prompt_length = prefix
+        return (output, None) if self.output_is_tuple else output
+
+
+class DistributedModelMixin:
+    """In front of a transformers model class; see the module docstring."""
+
+    def __init__(self, config: PretrainedConfig, *, network: ClientNetwork | None = None) -> None:
+        with _parameters_on_meta():
+            with _without_layers(config):
+                super().__init__(config)
+            self._use_chunked_lm_head(config)
+        parent_name, _, attribute = config.block_prefix.rpartition(".")
+        remote = RemoteSequential(config, network=network)
+        setattr(
+            self.get_submodule(parent_name),
+            attribute,
+            nn.ModuleList([_RemoteLayers(remote, config.block_output_is_tuple, self)]),
+        )
+        self.prepended_prompts = 0
+        self._init_prompts(config)
+
+    @property
+    def remote_blocks(self) -> RemoteSequential:
+        return self.get_submodule(self.config.block_prefix)[0].remote
+
+    @property
+    def prompt_length(self) -> int:
+        return self.config.pre_seq_len if self.config.tuning_mode in PTUNE_MODES else 0
+
+    def inference_session(self, max_length: int) -> contextlib.AbstractContextManager[InferenceSession]:
+        """``with model.inference_session(max_length=N) as session:`` — forward and generate continue it."""
+        return self.remote_blocks.inference_session(max_length=max_length + self.prompt_length)
+
+    def use_session(self, session: InferenceSession) -> contextlib.AbstractContextManager[InferenceSession]:
+        return self.remote_blocks.use_session(session)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        # servers attend to every position: only an all-ones mask is meaningful, and dropping it saves work
+        if len(args) > 1:
+            args = (args[0], None, *args[2:]) if _is_unpadded(args[1]) else _refuse_padding()
+        elif kwargs.get("attention_mask") is not None:
+            if not _is_unpadded(kwargs["attention_mask"]):
+                _refuse_padding()
+            kwargs["attention_mask"] = None
+        return super().forward(*args, **kwargs)
+
+    # ---- prompt tuning -----------------------------------------------------------------------
+
+    def _init_prompts(self, config: PretrainedConfig) -> None:
+        if config.tuning_mode is None:
+            return
+        if config.tuning_mode not in PTUNE_MODES:
+            raise ValueError(f"unknown tuning_mode {config.tuning_mode!r}; use one of {PTUNE_MODES} or None")
+        if config.pre_seq_len < 1:
+            raise ValueError(f"tuning_mode {config.tuning_mode!r} needs pre_seq_len >= 1")
+        hidden = config.hidden_size
+        self.prompt_embeddings = nn.Embedding(config.pre_seq_len, hidden, dtype=torch.float32)
+        if config.tuning_mode == "deep_ptune":
+            self.intermediate_prompt_embeddings = nn.Embedding(
+                config.pre_seq_len, config.num_hidden_layers * hidden, dtype=torch.float32
+            )
+            nn.init.zeros_(self.intermediate_prompt_embeddings.weight)
+        self._prompt_hook = self.get_input_embeddings().register_forward_hook(_prepend_prompts(self))
+
+    def deep_prompts(self, batch_size: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.config.tuning_mode != "deep_ptune":
+            return None
+        weight = self.intermediate_prompt_embeddings.weight
+        prompts = weight.view(self.config.pre_seq_len, self.config.num_hidden_layers, -1).permute(1, 0, 2)
+        return prompts.unsqueeze(1).expand(-1, batch_size, -1, -1).to(dtype)
+
+    # ---- loading -----------------------------------------------------------------------------
+
+    def _use_chunked_lm_head(self, config: PretrainedConfig) -> None:
+        head = self.get_output_embeddings() if hasattr(self, "get_output_embeddings") else None
+        if isinstance(head, nn.Linear):
+            self.set_output_embeddings(
+                ChunkedLMHead(head.in_features, head.out_features, head.bias is not None, config)
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str | os.PathLike,
+        *,
+        config: PretrainedConfig,
+        network: ClientNetwork | None = None,
+        dtype: torch.dtype | None = None,
+        **hub_kwargs: Any,
+    ):
+        model = cls(config, network=network)
+        checkpoint = Checkpoint.open(model_name_or_path, **hub_kwargs)
+        model._load_local_tensors(checkpoint, dtype)
+        with contextlib.suppress(Exception):  # checkpoints without generation_config.json keep the default
+            if model.can_generate():
+                model.generation_config = GenerationConfig.from_pretrained(model_name_or_path, **hub_kwargs)
+        return model.eval()
+
+    def _load_local_tensors(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> None:
+        """Fill embeddings, norms and heads from the checkpoint (never a block's tensors)."""
+        wanted = {
+            name: tensor
+            for name, tensor in self.state_dict(keep_vars=True).items()
+            if "prompt_embeddings" not in name
+        }
+        found = {
+            name: _checkpoint_key(name, checkpoint.weight_map, self.base_model_prefix) for name in wanted
+        }
+        found = {name: key for name, key in found.items() if key is not None}
+        tensors = checkpoint.read(sorted(set(found.values())))
+        state_dict = {name: _cast(tensors[key], dtype) for name, key in found.items()}
+        self.load_state_dict(state_dict, strict=False, assign=True)
+        for parameter in self.parameters():
+            parameter.requires_grad_(False)  # local embeddings, norms and head are frozen, as in Petals
+        self.tie_weights()
+        fresh = [name for name, tensor in self.named_parameters() if tensor.is_meta]
+        if fresh:
+            logger.warning("Not in the checkpoint, initialised randomly (trainable): %s", ", ".join(fresh))
+            self._materialize(fresh, dtype)
+        for parameter in self._prompt_parameters():
+            parameter.requires_grad_(True)
+
+    def _materialize(self, names: list[str], dtype: torch.dtype | None) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        for name in names:
+            module_name, _, attribute = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            meta = getattr(module, attribute)
+            value = torch.zeros(meta.shape, dtype=dtype or torch.float32)
+            if attribute != "bias":
+                value.normal_(0.0, std)
+            setattr(module, attribute, nn.Parameter(value, requires_grad=True))
+
+    def _prompt_parameters(self) -> Iterator[nn.Parameter]:
+        for name in ("prompt_embeddings", "intermediate_prompt_embeddings"):
+            if hasattr(self, name):
+                yield from getattr(self, name).parameters()
+
+
+def _prepend_prompts(model: DistributedModelMixin):
+    owner = weakref.ref(model)
+
+    def hook(module: nn.Module, args: tuple, embeddings: torch.Tensor) -> torch.Tensor:
+        model = owner()
+        if model is None or model.remote_blocks.position > 0:
+            return embeddings
+        prompts = model.prompt_embeddings.weight.unsqueeze(0).expand(embeddings.shape[0], -1, -1)
+        model.prepended_prompts = prompts.shape[1]
+        return torch.cat([prompts.to(embeddings.dtype), embeddings], dim=1)
+
+    return hook
+
+
+def _checkpoint_key(name: str, weight_map: dict[str, str], base_prefix: str) -> str | None:
+    """The checkpoint's name for a model tensor: as is, with the base model prefix, or a suffix of it."""
+    parts = name.split(".")
+    candidates = [name, f"{base_prefix}.{name}"] + [".".join(parts[start:]) for start in range(1, len(parts))]
+    return next((candidate for candidate in candidates if candidate in weight_map), None)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _is_unpadded(mask: torch.Tensor | None) -> bool:
+    return mask is None or bool(mask.all())
+
+
+def _refuse_padding():
+    raise ValueError(
+        "padded inputs are not supported: remote servers attend to every position, so all sequences of a batch "
+        "must have the same length (attention_mask all ones)"
+    )
+
+
+@contextlib.contextmanager
+def _without_layers(config: PretrainedConfig) -> Iterator[None]:
+    """While transformers builds the model: no layers, and the config seen as its plain HF class.
+
+    (Heads such as ``*ForSequenceClassification`` build their base model with ``AutoModel.from_config``,
+    which knows the HF config classes only.)
+    """
+    distributed_class, num_blocks = type(config), config.num_hidden_layers
+    hf_class = next(
+        klass for klass in distributed_class.__mro__ if klass.__module__.startswith("transformers.")
+    )
+    config.num_hidden_layers = 0
+    config.__class__ = hf_class
+    try:
+        yield
+    finally:
+        config.__class__ = distributed_class
+        config.num_hidden_layers = num_blocks
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device (no memory), buffers as usual (e.g. rotary frequencies)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+        register(module, name, parameter)
+        if parameter is not None:
+            kwargs = module._parameters[name].__dict__
+            module._parameters[name] = type(parameter)(
+                parameter.to("meta"), requires_grad=parameter.requires_grad, **kwargs
+            )
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+# ---- AutoDistributed* ---------------------------------------------------------------------------
+
+_CLASSES: dict[tuple[type, ...], type] = {}
+
+
+def distributed_class(config: PretrainedConfig, auto_class: type, mixins: tuple[type, ...]) -> type:
+    """The transformers class for ``config`` under ``auto_class``, with ``mixins`` in front."""
+    mapping = auto_class._model_mapping
+    for config_class in type(config).__mro__:
+        try:
+            hf_class = mapping[config_class]
+            break
+        except KeyError:
+            continue
+    else:
+        raise ValueError(f"{auto_class.__name__} has no model class for model type {config.model_type!r}")
+    key = (*mixins, hf_class)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Distributed{hf_class.__name__}", key, {"__module__": __name__})
+    return _CLASSES[key]
+
+
+class _AutoDistributed:
+    _auto_class: type
+    _mixins: tuple[type, ...]
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str | os.PathLike,
+        *,
+        initial_peers: list[str] | tuple[str, ...] | None = None,
+        dht_prefix: str | None = None,
+        network: ClientNetwork | None = None,
+        dtype: torch.dtype | None = None,
+        **config_overrides: Any,
+    ):
+        """Load the local parts of ``model_name_or_path`` (directory or hub id) and connect to the swarm.
+
+        ``config_overrides`` set any config field: ``ClientConfig`` ones (``request_timeout``,
+        ``host_maddrs``, ``nat_port_map``, ...), prompt tuning (``tuning_mode``, ``pre_seq_len``),
+        ``num_labels``, ...; ``cache_dir``, ``revision`` and ``token`` reach the hub.
+        """
+        hub_kwargs = {key: config_overrides[key] for key in _HUB_KWARGS if key in config_overrides}
+        if initial_peers is not None:
+            config_overrides["initial_peers"] = tuple(initial_peers)
+        config = AutoDistributedConfig.from_pretrained(
+            model_name_or_path, dht_prefix=dht_prefix, **config_overrides
+        )
+        if not config.initial_peers:
+            raise ValueError("pass initial_peers=[multiaddr, ...] of the swarm to join")
+        model_class = distributed_class(config, cls._auto_class, cls._mixins)
+        return model_class.from_pretrained(
+            model_name_or_path, config=config, network=network, dtype=dtype, **hub_kwargs
+        )
+
+
+class AutoDistributedModelForCausalLM(_AutoDistributed):
+    """The causal LM of any installed family, blocks in the swarm; supports ``generate``."""
+
+    _auto_class = AutoModelForCausalLM
+    _mixins = (RemoteGenerationMixin, DistributedModelMixin)
+
+
+class AutoDistributedModel(_AutoDistributed):
+    """The base model (hidden states out) of any installed family, blocks in the swarm."""
+
+    _auto_class = AutoModel
+    _mixins = (DistributedModelMixin,)
+
+
+class AutoDistributedModelForSequenceClassification(_AutoDistributed):
+    """Sequence classification with a local trainable head (``score``), blocks in the swarm."""
+
+    _auto_class = AutoModelForSequenceClassification
+    _mixins = (DistributedModelMixin,)

@@ -1,0 +1,89 @@
+"""The client's door to the swarm: one hivemind ``P2P`` and a client-mode ``DHTNode``.
+
+Both live in one asyncio event loop on one background thread of the client process (no forked DHT
+process). Synchronous code (torch modules, ``generate``) hands coroutines to that loop with ``run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from hivemind.dht import DHTNode
+from hivemind.p2p import P2P
+
+from petals.networking import NetworkOptions
+
+T = TypeVar("T")
+
+
+class SwarmUnreachableError(ConnectionError):
+    """None of the initial peers could be reached."""
+
+
+class ClientNetwork:
+    """A running ``P2P`` + ``DHTNode`` pair and the event loop thread they live in."""
+
+    def __init__(self, options: NetworkOptions) -> None:
+        if not options.initial_peers:
+            raise ValueError("initial_peers is empty: pass the multiaddrs of at least one peer of the swarm")
+        self.options = options
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="petals-client-network", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.p2p: P2P = self.run(options.create_p2p(), options.startup_timeout)
+            self.node: DHTNode = self.run(
+                DHTNode.create(p2p=self.p2p, initial_peers=list(options.initial_peers), client_mode=True),
+                options.startup_timeout,
+            )
+        except Exception as error:
+            self._stop_loop()
+            peers = ", ".join(options.initial_peers)
+            raise SwarmUnreachableError(
+                f"cannot join the swarm through initial_peers [{peers}]: {type(error).__name__}: {error}. "
+                "Check that these peers are running and reachable from this machine."
+            ) from error
+        self._finalizer = weakref.finalize(self, _shutdown, self.loop, self._thread, self.p2p, self.node)
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coroutine`` on the network loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, p2p: P2P, node: DHTNode) -> None:
+    async def stop() -> None:
+        await node.shutdown()
+        await p2p.shutdown()
+
+    if loop.is_running():
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+        except Exception:  # best effort: the daemon dies with the process anyway
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def network_options(config: Any) -> NetworkOptions:
+    """The client's ``NetworkOptions`` from a Distributed*Config (``ClientConfig`` fields)."""
+    return NetworkOptions(
+        initial_peers=tuple(config.initial_peers),
+        host_maddrs=tuple(config.host_maddrs),
+        nat_port_map=config.nat_port_map,
+        auto_nat=config.auto_nat,
+        use_relay=config.use_relay,
+        startup_timeout=config.daemon_startup_timeout,
+    )

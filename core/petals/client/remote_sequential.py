@@ -1,0 +1,57 @@
+"""``RemoteSequential``: all of a model's transformer blocks, computed by the swarm.
+
+Outside an inference session, ``forward`` is differentiable (``rpc_forward`` / ``rpc_backward``);
+inside ``with blocks.inference_session(max_length=...)`` it steps the session (``rpc_inference``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from petals.client.inference_session import InferenceSession
+from petals.client.network import ClientNetwork, network_options
+from petals.client.routing import RemoteSequenceManager
+from petals.client.sequential_autograd import RemoteChainFunction
+
+
+class RemoteSequential(nn.Module):
+    def __init__(self, config, *, network: ClientNetwork | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.network = network if network is not None else ClientNetwork(network_options(config))
+        self.manager = RemoteSequenceManager(config, self.network, config.num_hidden_layers)
+        self.active_session: InferenceSession | None = None
+
+    def __len__(self) -> int:
+        return len(self.manager)
+
+    @property
+    def position(self) -> int:
+        return self.active_session.position if self.active_session is not None else 0
+
+    def forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        if self.active_session is not None:
+            return self.active_session.step(hidden, prompts)
+        empty = torch.empty(0, dtype=hidden.dtype, device=hidden.device)
+        return RemoteChainFunction.apply(hidden, prompts if prompts is not None else empty, self.manager)
+
+    @contextlib.contextmanager
+    def inference_session(self, max_length: int) -> Iterator[InferenceSession]:
+        """Open a session for up to ``max_length`` positions; the module's forward steps it meanwhile."""
+        with self.use_session(InferenceSession(self.manager, max_length)) as session:
+            yield session
+
+    @contextlib.contextmanager
+    def use_session(self, session: InferenceSession) -> Iterator[InferenceSession]:
+        if self.active_session is not None:
+            raise RuntimeError("an inference session is already active on these blocks; close it first")
+        self.active_session = session
+        try:
+            with session:
+                yield session
+        finally:
+            self.active_session = None

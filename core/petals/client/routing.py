@@ -1,0 +1,283 @@
+"""Which servers compute which blocks: the swarm's spans, bans, pings and route choice.
+
+``RemoteSequenceManager`` reads every server's record for the model's blocks from the DHT, keeps
+the ONLINE spans (minus banned, blocked or not-allowed peers) and chooses chains of spans:
+
+* ``min_latency`` (inference): Dijkstra over nodes ``(peer, block boundary)``: entering a span
+  costs half the client's ping to it plus a per-hop overhead, each block costs ``1/inference_rps``,
+  switching from span ``p`` to ``q`` at a boundary costs ``p``'s announced ``next_pings[q]`` / 2
+  (or half of both client pings when unknown), leaving costs half a ping; spans without enough KV
+  cache for the session are skipped.
+* ``max_throughput`` (forward/backward): left to right, a random span containing the current block,
+  weighted by its throughput and how many blocks it covers from there.
+
+Failing servers are banned for ``ban_timeout`` seconds, doubled after every consecutive failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hivemind.p2p import PeerID
+
+from petals.client.network import ClientNetwork
+from petals.client.rpc import ping
+from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
+from petals.dht import compute_spans, get_remote_module_infos
+
+logger = logging.getLogger(__name__)
+
+HOP_OVERHEAD = 0.018  # seconds of (de)serialization and scheduling per server visited
+DEFAULT_INFERENCE_RPS = 300.0
+UNKNOWN_RTT = 0.15
+MAX_RTT = 5.0
+
+
+class MissingBlocksError(RuntimeError):
+    """Some blocks have no usable server in the swarm."""
+
+
+@dataclass
+class _Ban:
+    until: float
+    failures: int
+
+
+class RemoteSequenceManager:
+    """The client's view of the servers hosting ``{dht_prefix}.0`` … ``{dht_prefix}.{num_blocks-1}``."""
+
+    def __init__(self, config, network: ClientNetwork, num_blocks: int) -> None:
+        self.config = config
+        self.network = network
+        self.dht_prefix: str = config.dht_prefix
+        self.block_uids = make_uids(self.dht_prefix, 0, num_blocks)
+        self.spans: dict[PeerID, RemoteSpanInfo] = {}
+        self.pings: dict[PeerID, float] = {}
+        self.bans: dict[PeerID, _Ban] = {}
+        self.last_update = -float("inf")
+
+    def __len__(self) -> int:
+        return len(self.block_uids)
+
+    def chain_uid(self, start: int, end: int) -> str:
+        return " ".join(self.block_uids[start:end])
+
+    # ---- the swarm's state ---------------------------------------------------------------------
+
+    async def update(self) -> None:
+        """Re-read the DHT records and ping servers not pinged yet."""
+        infos = await get_remote_module_infos(
+            self.network.node, self.block_uids, latest=True, active_adapter=self.config.active_adapter
+        )
+        spans = compute_spans(infos, min_state=ServerState.ONLINE)
+        allowed = _peer_set(self.config.allowed_servers)
+        blocked = _peer_set(self.config.blocked_servers) or set()
+        self.spans = {
+            peer: span
+            for peer, span in spans.items()
+            if (allowed is None or peer in allowed) and peer not in blocked
+        }
+        self.last_update = time.monotonic()
+        unpinged = [peer for peer in self.spans if peer not in self.pings][
+            : max(self.config.max_pinged, 1) * 8
+        ]
+        rtts = await asyncio.gather(
+            *(ping(self.network.p2p, peer, self.config.ping_timeout) for peer in unpinged)
+        )
+        self.pings.update(zip(unpinged, rtts, strict=True))
+
+    async def ensure_fresh(self) -> None:
+        if time.monotonic() - self.last_update > self.config.update_period:
+            await self.update()
+
+    def usable_spans(self) -> list[RemoteSpanInfo]:
+        now = time.monotonic()
+        return [span for peer, span in self.spans.items() if not self._is_banned(peer, now)]
+
+    def _is_banned(self, peer: PeerID, now: float) -> bool:
+        ban = self.bans.get(peer)
+        return ban is not None and ban.until > now
+
+    def on_request_failure(self, peer: PeerID | None) -> None:
+        if peer is None:
+            return
+        ban = self.bans.get(peer)
+        failures = ban.failures + 1 if ban is not None else 1
+        duration = self.config.ban_timeout * 2 ** (failures - 1)
+        self.bans[peer] = _Ban(time.monotonic() + duration, failures)
+        logger.warning("Server %s failed; not using it for %.0f s", peer, duration)
+
+    def on_request_success(self, peer: PeerID) -> None:
+        ban = self.bans.get(peer)
+        if ban is not None and ban.until <= time.monotonic():
+            del self.bans[peer]
+
+    def retry_delay(self, attempt: int) -> float:
+        """0 for the first retry, then ``min_backoff · 2^(attempt-1)`` capped at ``max_backoff``."""
+        if attempt == 0:
+            return 0.0
+        return min(self.config.min_backoff * 2 ** (attempt - 1), self.config.max_backoff)
+
+    def check_retries(self, attempt: int, error: BaseException) -> None:
+        if self.config.max_retries is not None and attempt >= self.config.max_retries:
+            raise error
+
+    # ---- routes --------------------------------------------------------------------------------
+
+    async def make_sequence(
+        self, start: int, end: int, *, mode: str, cache_tokens_needed: int | None = None
+    ) -> list[RemoteSpanInfo]:
+        """A chain of spans covering blocks ``[start, end)``; refreshes the swarm's state when needed."""
+        await self.ensure_fresh()
+        try:
+            return self._choose(start, end, mode, cache_tokens_needed)
+        except MissingBlocksError:
+            await self.update()
+            return self._choose(start, end, mode, cache_tokens_needed)
+
+    def _choose(
+        self, start: int, end: int, mode: str, cache_tokens_needed: int | None
+    ) -> list[RemoteSpanInfo]:
+        spans = self.usable_spans()
+        if cache_tokens_needed is not None:
+            spans = [span for span in spans if _has_cache_for(span, cache_tokens_needed)]
+        self._check_coverage(spans, start, end, cache_tokens_needed)
+        if mode == "min_latency":
+            route = self._min_latency(spans, start, end)
+        elif mode == "max_throughput":
+            route = _max_throughput(spans, start, end)
+        else:
+            raise ValueError(f"unknown routing mode {mode!r}; use 'min_latency' or 'max_throughput'")
+        if self.config.show_route is True or (
+            self.config.show_route == "inference" and mode == "min_latency"
+        ):
+            logger.info(
+                "Route: %s",
+                " => ".join(f"{span.start}:{span.end} via …{str(span.peer_id)[-6:]}" for span in route),
+            )
+        return route
+
+    def _check_coverage(
+        self, spans: Sequence[RemoteSpanInfo], start: int, end: int, cache_tokens_needed: int | None
+    ) -> None:
+        covered = set()
+        for span in spans:
+            covered.update(range(span.start, span.end))
+        missing = [block for block in range(start, end) if block not in covered]
+        if not missing:
+            return
+        known = {block for span in self.spans.values() for block in range(span.start, span.end)}
+        first = missing[0]
+        if first not in known:
+            reason = "no ONLINE server announces it in the DHT"
+        elif cache_tokens_needed is not None and any(
+            span.start <= first < span.end and not _has_cache_for(span, cache_tokens_needed)
+            for span in self.spans.values()
+        ):
+            reason = f"no server has KV cache left for a session of {cache_tokens_needed} tokens"
+        else:
+            reason = "every server hosting it failed recently and is banned for now"
+        raise MissingBlocksError(
+            f"no server for block {self.block_uids[first]} (dht_prefix {self.dht_prefix!r}, blocks missing: "
+            f"{_ranges(missing)}): {reason}. Start a server for these blocks, e.g. "
+            f"`petals serve <model> --block_indices {first}:{missing[-1] + 1}`, or check the dht_prefix."
+        )
+
+    def _rtt(self, peer: PeerID) -> float:
+        return min(self.pings.get(peer, UNKNOWN_RTT), MAX_RTT)
+
+    def _min_latency(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
+        by_peer = {span.peer_id: span for span in spans}
+        starting_at = {block: [s for s in spans if s.start <= block < s.end] for block in range(start, end)}
+        source, target = ("start",), ("end",)
+        best: dict[tuple, float] = {source: 0.0}
+        previous: dict[tuple, tuple] = {}
+        counter = itertools.count()
+        queue = [(0.0, next(counter), source)]
+        while queue:
+            cost, _, node = heapq.heappop(queue)
+            if node == target:
+                break
+            if cost > best.get(node, float("inf")):
+                continue
+            for neighbour, weight in self._edges(node, by_peer, starting_at, start, end):
+                candidate = cost + weight
+                if candidate < best.get(neighbour, float("inf")):
+                    best[neighbour], previous[neighbour] = candidate, node
+                    heapq.heappush(queue, (candidate, next(counter), neighbour))
+        path, node = [], target
+        while node in previous:
+            node = previous[node]
+            path.append(node)
+        nodes = [node for node in reversed(path) if len(node) == 2]  # (peer, boundary) nodes, in order
+        route: list[RemoteSpanInfo] = []
+        for (peer, boundary), (next_peer, next_boundary) in itertools.pairwise(nodes):
+            if peer == next_peer:
+                if route and route[-1].peer_id == peer and route[-1].end == boundary:
+                    route[-1].end = next_boundary
+                else:
+                    route.append(RemoteSpanInfo(peer, boundary, next_boundary, by_peer[peer].server_info))
+        return route
+
+    def _edges(self, node: tuple, by_peer: dict, starting_at: dict, start: int, end: int):
+        if node == ("start",):
+            for span in starting_at[start]:
+                yield (span.peer_id, start), self._rtt(span.peer_id) / 2 + HOP_OVERHEAD
+            return
+        peer, boundary = node
+        span = by_peer[peer]
+        if boundary == end:
+            yield ("end",), self._rtt(peer) / 2
+            return
+        if boundary < span.end:
+            rps = span.server_info.inference_rps or DEFAULT_INFERENCE_RPS
+            yield (peer, boundary + 1), 1 / rps
+        if boundary > span.start:  # switch servers only after using this one
+            for other in starting_at[boundary]:
+                if other.peer_id != peer:
+                    yield (other.peer_id, boundary), self._hop(span, other.peer_id) + HOP_OVERHEAD
+
+    def _hop(self, span: RemoteSpanInfo, next_peer: PeerID) -> float:
+        next_pings = span.server_info.next_pings or {}
+        announced = next_pings.get(next_peer.to_base58())
+        if announced is not None:
+            return min(announced, MAX_RTT) / 2
+        return (self._rtt(span.peer_id) + self._rtt(next_peer)) / 2  # via the client
+
+
+def _max_throughput(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
+    route, block = [], start
+    while block < end:
+        candidates = [span for span in spans if span.start <= block < span.end]
+        weights = [max(span.throughput, 1e-6) * (min(span.end, end) - block) for span in candidates]
+        chosen = random.choices(candidates, weights=weights)[0]
+        route.append(RemoteSpanInfo(chosen.peer_id, block, min(chosen.end, end), chosen.server_info))
+        block = route[-1].end
+    return route
+
+
+def _has_cache_for(span: RemoteSpanInfo, tokens: int) -> bool:
+    """Petals' rule: keys and values are counted separately in ``cache_tokens_left``."""
+    left = span.server_info.cache_tokens_left
+    return left is None or tokens * 2 * span.length <= left
+
+
+def _peer_set(peers: Sequence[str | PeerID] | None) -> set[PeerID] | None:
+    if peers is None:
+        return None
+    return {peer if isinstance(peer, PeerID) else PeerID.from_base58(str(peer)) for peer in peers}
+
+
+def _ranges(blocks: Sequence[int]) -> str:
+    groups = []
+    for _, run in itertools.groupby(enumerate(blocks), key=lambda item: item[1] - item[0]):
+        run = [block for _, block in run]
+        groups.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(groups)

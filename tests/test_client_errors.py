@@ -1,0 +1,57 @@
+"""What a user sees when the swarm cannot serve a request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import petals
+from conftest import LOOPBACK_CLIENT, running_swarm
+from petals.client.network import SwarmUnreachableError
+from petals.client.routing import MissingBlocksError
+from petals.plugins import UnknownModelTypeError
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_path):
+    path = tiny_model_path("llama")
+    with running_swarm(path, "0:4", server_args=("--inference_max_length", "64")) as (dht, _):
+        yield path, dht.initial_peers
+
+
+def test_missing_blocks_name_the_prefix_and_block(swarm):
+    path, peers = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, dht_prefix="nobody-serves-this", **LOOPBACK_CLIENT
+    )
+    with pytest.raises(MissingBlocksError, match=r"nobody-serves-this\.0.*no ONLINE server"):
+        model(torch.tensor([[5, 6, 7]]))
+
+
+def test_max_length_beyond_every_server_is_refused(swarm):
+    path, peers = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, **LOOPBACK_CLIENT
+    )
+    with pytest.raises(ValueError, match="inference_max_length"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=100)
+
+
+def test_unreachable_swarm(tiny_model_path):
+    dead_peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    with pytest.raises(SwarmUnreachableError, match="initial_peers"):
+        petals.AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_model_path("llama"), initial_peers=[dead_peer], daemon_startup_timeout=15, **LOOPBACK_CLIENT
+        )
+
+
+def test_model_type_without_plugin(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(
+        UnknownModelTypeError, match="model type 'mamba' has no installed plugin; installed: .*llama"
+    ):
+        petals.AutoDistributedModelForCausalLM.from_pretrained(
+            tmp_path, initial_peers=["/ip4/127.0.0.1/tcp/1"]
+        )

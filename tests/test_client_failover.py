@@ -1,0 +1,76 @@
+"""A server dying mid-generation costs time, not tokens: its blocks move to a replacement."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, StoppingCriteria
+
+import petals
+from conftest import LOOPBACK_CLIENT, running_swarm
+from petals.server.server import READY_MESSAGE
+from petals.testing.swarm import start_server
+
+RUNS = 5
+NEW_TOKENS = 32
+KILL_AFTER = 10
+
+
+class KillServingServer(StoppingCriteria):
+    """Never stops generation; after ``KILL_AFTER`` new tokens, SIGKILLs the server serving blocks 2:4."""
+
+    def __init__(self, session, servers, prompt_length: int) -> None:
+        self.session, self.servers, self.prompt_length = session, servers, prompt_length
+        self.killed = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.killed is None and input_ids.shape[1] - self.prompt_length == KILL_AFTER:
+            (peer_id,) = {str(span.peer_id) for span in self.session.route if span.start == 2}
+            self.killed = next(server for server in self.servers if server.peer_id == peer_id)
+            self.killed.process.kill()
+            self.killed.process.wait()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_greedy_generation_survives_a_killed_server(tiny_model_path):
+    path = tiny_model_path("llama")
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
+    server_args = ("--update_period", "3")  # a killed server's records expire within seconds
+
+    with running_swarm(path, "0:2", "2:4", "2:4", server_args=server_args) as (dht, servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
+        )
+        with contextlib.ExitStack() as replacements:
+            for _ in range(RUNS):
+                started = time.perf_counter()
+                with model.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
+                    killer = KillServingServer(session, servers, ids.shape[1])
+                    output = model.generate(ids, stopping_criteria=[killer], **kwargs)
+                    survivors = {str(span.peer_id) for span in session.route}
+                assert killer.killed is not None, "the session never reached the kill point"
+                assert killer.killed.peer_id not in survivors
+                assert torch.equal(output, expected), (
+                    f"tokens differ after failover ({time.perf_counter() - started:.1f} s)"
+                )
+                servers.remove(killer.killed)
+                killer.killed.stop()
+                replacement = replacements.enter_context(
+                    start_server(
+                        path,
+                        dht.initial_peers,
+                        "--block_indices",
+                        "2:4",
+                        "--torch_dtype",
+                        "float32",
+                        *server_args,
+                        timeout=120,
+                    )
+                )
+                replacement.wait_for_log(READY_MESSAGE, timeout=120)
+                servers.append(replacement)
+        model.remote_blocks.network.close()

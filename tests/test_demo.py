@@ -1,0 +1,70 @@
+"""The demo on a real model: SmolLM2-135M-Instruct through three real servers."""
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import petals
+from conftest import LOOPBACK_CLIENT, running_swarm
+from petals.cli.generate import encode
+from petals.demo_model import prepare_demo_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("petals-cache")
+    prepare_demo_model(cache_dir)
+    return cache_dir
+
+
+def test_demo_answers_paris_and_leaves_nothing_behind(demo_cache):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petals.cli",
+            "demo",
+            "--cache_dir",
+            str(demo_cache),
+            "--max_new_tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer = next(line for line in result.stdout.splitlines() if line.startswith("A: "))
+    assert "Paris" in answer, result.stdout
+    assert "blocks 20:30" in result.stdout and "Done." in result.stdout
+    leftovers = [
+        p.info
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(demo_cache) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
+
+
+def test_greedy_tokens_through_the_swarm_equal_local_generation(demo_cache):
+    path = demo_cache / "SmolLM2-135M-Instruct"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    inputs = encode(tokenizer, "Name three colours of the rainbow.", chat=True)
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = local.generate(**inputs, max_new_tokens=24, do_sample=False)
+    with running_swarm(path, "0:10", "10:20", "20:30") as (dht, _):
+        remote = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        try:
+            got = remote.generate(**inputs, max_new_tokens=24, do_sample=False)
+        finally:
+            remote.remote_blocks.network.close()
+    assert torch.equal(got, expected), (tokenizer.decode(got[0]), tokenizer.decode(expected[0]))
