@@ -6,6 +6,6 @@ def test_my_family_conforms(tmp_path):
     check_family(MyHFConfig(hidden_size=64, num_hidden_layers=4, ...), tmp_path)
 """
 
-from petals.testing.conformance import ConformanceReport, check_family, check_prefix_rules
+from petals.testing.conformance import ConformanceReport, StepSchedule, check_family, check_prefix_rules
 
-__all__ = ["ConformanceReport", "check_family", "check_prefix_rules"]
+__all__ = ["ConformanceReport", "StepSchedule", "check_family", "check_prefix_rules"]

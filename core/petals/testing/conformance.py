@@ -34,6 +34,26 @@ from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
 
+@dataclass(frozen=True)
+class StepSchedule:
+    """What the exactness check runs: a prefill, single-token steps, then one multi-token step."""
+
+    batch_size: int = 2
+    prefill_length: int = 7
+    single_steps: int = 8
+    chunk_length: int = 3
+    atol: float = 1e-5
+    seed: int = 0
+
+    @property
+    def step_lengths(self) -> list[int]:
+        return [self.prefill_length] + [1] * self.single_steps + [self.chunk_length]
+
+    @property
+    def max_length(self) -> int:
+        return sum(self.step_lengths) + 2  # + the reordered step and its replay
+
+
 @dataclass
 class ConformanceReport:
     """What was checked and the largest logit differences seen (for the plugin's own logs)."""
@@ -60,12 +80,7 @@ def check_family(
     workdir: str | Path,
     *,
     folder_name: str = "Tiny-Model-0.1",
-    batch_size: int = 2,
-    prefill_length: int = 7,
-    single_steps: int = 8,
-    chunk_length: int = 3,
-    atol: float = 1e-5,
-    seed: int = 0,
+    schedule: StepSchedule = StepSchedule(),
 ) -> ConformanceReport:
     """Run every conformance check on a tiny config of a family; raise AssertionError on failure."""
     family = get_plugin_manager().family(config.model_type)
@@ -77,7 +92,7 @@ def check_family(
     )
 
     path = Path(workdir) / folder_name
-    reference = _save_random_model(config, path, seed)
+    reference = _save_random_model(config, path, schedule.seed)
     distributed = AutoDistributedConfig.from_pretrained(path)
     expected_prefix = get_plugin_manager().hook.dht_prefix(model_id=folder_name, config=distributed)
     assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
@@ -87,9 +102,8 @@ def check_family(
     )
 
     layout = kv_cache_layout(distributed)
-    max_length = prefill_length + single_steps + chunk_length + 2
-    cache = allocate_cache(distributed, batch_size, max_length)
-    expected_bytes = layout.bytes_per_token(torch.float32) * batch_size * max_length
+    cache = allocate_cache(distributed, schedule.batch_size, schedule.max_length)
+    expected_bytes = layout.bytes_per_token(torch.float32) * schedule.batch_size * schedule.max_length
     assert cache.nbytes == expected_bytes, (
         f"cache holds {cache.nbytes} bytes, the layout says {expected_bytes}"
     )
@@ -98,19 +112,7 @@ def check_family(
     report = ConformanceReport(
         config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32)
     )
-    _check_exactness(
-        reference,
-        distributed,
-        blocks,
-        report,
-        batch_size,
-        prefill_length,
-        single_steps,
-        chunk_length,
-        max_length,
-        atol,
-        seed,
-    )
+    _check_exactness(reference, distributed, blocks, report, schedule)
     return report
 
 
@@ -150,21 +152,15 @@ def _layers_replaced(model: PreTrainedModel, block_prefix: str, chain: torch.nn.
 
 
 def _check_exactness(
-    reference,
-    config,
-    blocks,
-    report,
-    batch_size,
-    prefill_length,
-    single_steps,
-    chunk_length,
-    max_length,
-    atol,
-    seed,
+    reference: PreTrainedModel,
+    config: PretrainedConfig,
+    blocks: list[torch.nn.Module],
+    report: ConformanceReport,
+    schedule: StepSchedule,
 ) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    vocab = config.vocab_size
-    steps = [prefill_length] + [1] * single_steps + [chunk_length]
+    generator = torch.Generator().manual_seed(schedule.seed)
+    vocab, batch_size, atol = config.vocab_size, schedule.batch_size, schedule.atol
+    steps = schedule.step_lengths
     inputs = [torch.randint(0, vocab, (batch_size, n), generator=generator) for n in steps]
     chain = _TwoServers(blocks, config.block_output_is_tuple)
     half = len(blocks) // 2
@@ -189,7 +185,7 @@ def _check_exactness(
         )
 
         reference_cache = DynamicCache(config=reference.config)
-        server_caches = [allocate_cache(config, batch_size, max_length) for _ in blocks]
+        server_caches = [allocate_cache(config, batch_size, schedule.max_length) for _ in blocks]
         assert {id(c) for c in server_caches[:half]}.isdisjoint(id(c) for c in server_caches[half:])
         chain.caches = server_caches
         for index, input_ids in enumerate(inputs):
