@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -121,41 +120,5 @@ def offline_hf_cache(tmp_path, monkeypatch):
     return cache_dir
 
 
-# ---- a real local swarm for client tests --------------------------------------------------------
-
-# what every in-process client peer of the tests passes: listen on 127.0.0.1 only, no NAT/relays
-LOOPBACK_CLIENT = {
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-    "nat_port_map": False,
-    "auto_nat": False,
-    "use_relay": False,
-}
-
-
-@contextlib.contextmanager
-def running_swarm(model_path: Path, *block_ranges: str, server_args: tuple[str, ...] = ()):
-    """A ``petals dht`` and one ``petals serve`` per ``"start:end"`` range (float32), all ONLINE."""
-    from petals.server.server import READY_MESSAGE
-    from petals.testing.swarm import start_dht, start_server
-
-    with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
-        servers = [
-            stack.enter_context(
-                start_server(
-                    model_path,
-                    dht.initial_peers,
-                    "--block_indices",
-                    blocks,
-                    "--torch_dtype",
-                    "float32",
-                    *server_args,
-                    wait_ready=False,
-                    timeout=120,
-                )
-            )
-            for blocks in block_ranges
-        ]
-        for server in servers:  # started together, so they load in parallel
-            server.wait_for_log(READY_MESSAGE, timeout=120)
-        yield dht, servers
+# ---- a real local swarm for client tests: see petals.testing.swarm ----------------------------
+from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm  # noqa: E402, F401

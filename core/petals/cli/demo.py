@@ -14,7 +14,7 @@ import time
 
 import click
 
-from petals.cli.generate import LOOPBACK_CLIENT, encode
+from petals.cli.generate import encode
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
@@ -28,8 +28,7 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
 def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep: bool) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     from petals.demo_model import prepare_demo_model
-    from petals.server.server import READY_MESSAGE
-    from petals.testing.swarm import start_dht, start_server
+    from petals.testing.swarm import running_swarm
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -37,28 +36,11 @@ def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep
     model_path = prepare_demo_model(cache_dir)
     timings["prepare model"] = time.perf_counter() - started
 
-    with contextlib.ExitStack() as swarm:
-        started = time.perf_counter()
-        dht = swarm.enter_context(start_dht())
+    started = time.perf_counter()
+    with running_swarm(model_path, *SERVER_RANGES) as (dht, servers):
         click.echo(f"Bootstrap peer: {dht.initial_peers[0]}")
-        servers = [
-            swarm.enter_context(
-                start_server(
-                    model_path,
-                    dht.initial_peers,
-                    "--block_indices",
-                    blocks,
-                    "--torch_dtype",
-                    "float32",
-                    wait_ready=False,
-                    timeout=180,
-                )
-            )
-            for blocks in SERVER_RANGES
-        ]
         for server, blocks in zip(servers, SERVER_RANGES, strict=True):
-            server.wait_for_log(READY_MESSAGE, timeout=180)
-            click.echo(f"Server {server.peer_id[-8:]} is ONLINE with blocks {blocks}")
+            click.echo(f"Server ...{server.peer_id[-8:]} is ONLINE with blocks {blocks}")
         timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
         answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
         click.echo("\nTimings:")
@@ -74,6 +56,7 @@ def answer_question(model_path, initial_peers, question: str, max_new_tokens: in
     from transformers import AutoTokenizer, TextStreamer
 
     from petals import AutoDistributedModelForCausalLM
+    from petals.testing.swarm import LOOPBACK_CLIENT
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -36,6 +36,7 @@ def generate_command(
     from transformers import AutoTokenizer, TextStreamer
 
     from petals import AutoDistributedModelForCausalLM
+    from petals.testing.swarm import LOOPBACK_CLIENT
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     network_options = LOOPBACK_CLIENT if loopback else {}

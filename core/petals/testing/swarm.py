@@ -10,6 +10,7 @@ then SIGKILL after a timeout), never by matching names.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -17,10 +18,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from petals.server.server import READY_MESSAGE
+
+# what an in-process client peer passes to stay on this machine: 127.0.0.1 only, no NAT/relays
+LOOPBACK_CLIENT = {
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "nat_port_map": False,
+    "auto_nat": False,
+    "use_relay": False,
+}
 
 PEER_ID_PATTERN = re.compile(r"Joined the swarm in [\d.]+ s as (\S+)")
 
@@ -156,3 +165,34 @@ def start_server(
         process.stop()
         raise
     return process
+
+
+@contextlib.contextmanager
+def running_swarm(
+    model_path: str | Path, *block_ranges: str, server_args: Sequence[str] = (), timeout: float = 180
+) -> Iterator[tuple[DhtProcess, list[ServerProcess]]]:
+    """A ``petals dht`` and one float32 ``petals serve`` per ``"start:end"`` range, all ONLINE.
+
+    The servers start together, so they load in parallel; everything stops on exit.
+    """
+    with contextlib.ExitStack() as stack:
+        dht = stack.enter_context(start_dht())
+        servers = [
+            stack.enter_context(
+                start_server(
+                    model_path,
+                    dht.initial_peers,
+                    "--block_indices",
+                    blocks,
+                    "--torch_dtype",
+                    "float32",
+                    *server_args,
+                    wait_ready=False,
+                    timeout=timeout,
+                )
+            )
+            for blocks in block_ranges
+        ]
+        for server in servers:
+            server.wait_for_log(READY_MESSAGE, timeout=timeout)
+        yield dht, servers

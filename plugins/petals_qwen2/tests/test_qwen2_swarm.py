@@ -1,21 +1,11 @@
 """End to end: a tiny Qwen2 served by two real `petals serve` processes generates what transformers does."""
 
-import contextlib
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import petals
-from petals.server.server import READY_MESSAGE
-from petals.testing.swarm import start_dht, start_server
-
-LOOPBACK_CLIENT = {
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-    "nat_port_map": False,
-    "auto_nat": False,
-    "use_relay": False,
-}
+from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +31,7 @@ def test_two_servers_generate_the_same_greedy_tokens_as_transformers(tiny_qwen2_
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
     local = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32).eval()
     expected = local.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    with contextlib.ExitStack() as swarm:
-        dht = swarm.enter_context(start_dht())
-        for blocks in ("0:2", "2:4"):
-            server = swarm.enter_context(
-                start_server(
-                    tiny_qwen2_path,
-                    dht.initial_peers,
-                    "--block_indices",
-                    blocks,
-                    "--torch_dtype",
-                    "float32",
-                    wait_ready=False,
-                    timeout=120,
-                )
-            )
-            server.wait_for_log(READY_MESSAGE, timeout=120)
+    with running_swarm(tiny_qwen2_path, "0:2", "2:4") as (dht, _):
         remote = petals.AutoDistributedModelForCausalLM.from_pretrained(
             tiny_qwen2_path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
