@@ -44,13 +44,12 @@ def serve(*args: str, env: dict | None = None):
             ["--num_blocks", "1", "--initial_peers", "/ip4/127.0.0.1/tcp/1", "--new_swarm"],
             "--initial_peers and --new_swarm",
         ),
-        (["--num_blocks", "1", "--quant_type", "nf4"], "--quant_type nf4 is not yet supported"),
-        (["--num_blocks", "1", "--adapters", "some/lora"], "--adapters is not yet supported"),
         (
-            ["--num_blocks", "1", "--tensor-parallel-devices", "cuda:0"],
-            "--tensor_parallel_devices is not yet supported",
+            ["--num_blocks", "1", "--tensor-parallel-devices", "cpu", "cpu", "--quant_type", "nf4"],
+            "--tensor_parallel_devices cannot be combined with --quant_type int8/nf4 or --adapters yet",
         ),
-        (["--new_swarm"], "pass --num_blocks N"),
+        (["--new_swarm", "--tensor_parallel_devices", "gpu0"], "Invalid device string: 'gpu0'"),
+        (["--new_swarm", "--quant_type", "int3"], "'int3' is not one of 'none', 'int8', 'nf4'"),
         (["--block_indices", "3:1"], "expected START:END"),
         (["--num_blocks", "1", "--throughput", "fast"], "expected auto, eval, dry_run or a number"),
         (["--num_blocks", "1", "--loopback"], "--loopback cannot join the public swarm"),
@@ -80,6 +79,31 @@ def test_throughput_dry_run_measures_caches_and_exits(tiny_model_path, tmp_path)
     )
     cached = json.loads((tmp_path / "throughput_v1.json").read_text())
     assert [entry["forward_rps"] for entry in cached.values()] == [measured["forward_rps"]]
+
+
+def test_pickle_only_adapter_is_refused_at_start(tiny_model_path, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.bin").write_bytes(b"never unpickled")
+    result = serve(str(tiny_model_path("llama")), "--new_swarm", "--adapters", str(tmp_path))
+    assert result.exit_code == 1
+    assert "only the pickle file adapter_model.bin, which petals refuses to unpickle" in result.output
+
+
+def test_throughput_dry_run_measures_the_quantized_block_on_planned_blocks(tiny_model_path, tmp_path):
+    args = [
+        str(tiny_model_path("llama")),
+        "--new_swarm",
+        "--cache_dir",
+        str(tmp_path),
+        "--quant_type",
+        "int8",
+    ]
+    result = serve(*args, "--throughput", "dry_run")
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.output.strip().splitlines()[-1])
+    assert measured["throughput"] == pytest.approx(measured["forward_rps"] / 2.5)  # all 4 blocks fit
+    (key,) = json.loads((tmp_path / "throughput_v1.json").read_text())
+    assert key.endswith("_dtype_float32_quant_int8")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -27,6 +27,7 @@ INFO_FIELDS = {
     "using_relay",
     "public_name",
     "next_pings",
+    "weight_bytes",
 }
 
 
@@ -89,12 +90,13 @@ def test_records_have_petals_types(swarm):
     assert models[swarm.prefix].value == {"num_blocks": 4, "repository": None}
 
 
+SERVER_INFO_KEYS = {"version", "dht_client_mode", "cache_tokens_available"}
+EXTENSION_INFO_KEYS = {"stats"}  # petals-core's extra key: counters (stock Petals peers ignore it)
+
+
 def test_rpc_info(swarm):
     info = swarm.client.info(swarm.first.peer_id, f"{swarm.prefix}.0")
-    assert set(info) == {
-        "version",
-        "dht_client_mode",
-        "cache_tokens_available",
+    assert set(info) == SERVER_INFO_KEYS | EXTENSION_INFO_KEYS | {
         "forward_schema",
         "outputs_schema",
         "keyword_names",
@@ -103,11 +105,7 @@ def test_rpc_info(swarm):
     (hidden_schema,), kwargs = info["forward_schema"]
     assert kwargs == {} and hidden_schema.dtype == torch.float32 and hidden_schema.shape[-1] == 64
     assert info["keyword_names"] == () and len(info["inference_schema"][0]) == 3
-    assert set(swarm.client.info(swarm.first.peer_id)) == {
-        "version",
-        "dht_client_mode",
-        "cache_tokens_available",
-    }
+    assert set(swarm.client.info(swarm.first.peer_id)) == SERVER_INFO_KEYS | EXTENSION_INFO_KEYS
 
 
 def test_forward_through_both_servers_matches_transformers(swarm):

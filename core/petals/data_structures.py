@@ -77,6 +77,7 @@ _INFO_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
         (dict,),
         lambda v: all(isinstance(k, str) and isinstance(x, float) and x >= 0 for k, x in v.items()),
     ),
+    "weight_bytes": ((int,), lambda v: v >= 0),
 }
 
 
@@ -99,6 +100,7 @@ class ServerInfo:
     using_relay: bool | None = None
     cache_tokens_left: int | None = None
     next_pings: dict[str, float] | None = None
+    weight_bytes: int | None = None  # petals-core extension: the hosted blocks' weights, after conversion
 
     def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
         info = dataclasses.asdict(self)

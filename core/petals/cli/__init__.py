@@ -1,16 +1,41 @@
 """The ``petals`` command line: ``petals plugins``, ``petals serve``, ``petals dht``, ...
 
-Each command lives in its own module of this package and is added to the ``main`` group below.
+Each command lives in its own module of this package and is imported only when it runs (or when
+``--help`` lists it): ``petals dht`` never imports transformers, and ``python -m
+petals.cli.run_server`` does not find its own module imported already.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 from petals import __version__
 
+# command name → "module:attribute" of its click command
+LAZY_COMMANDS = {
+    "serve": "petals.cli.run_server:serve_command",
+    "dht": "petals.cli.run_dht:dht_command",
+    "demo": "petals.cli.demo:demo_command",
+    "generate": "petals.cli.generate:generate_command",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A click group whose commands in ``LAZY_COMMANDS`` are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_COMMANDS:
+            module, _, attribute = LAZY_COMMANDS[name].partition(":")
+            return getattr(importlib.import_module(module), attribute)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="petals-core")
 def main() -> None:
     """Run large language models collaboratively."""
@@ -36,15 +61,3 @@ def plugins_command(hooks: bool) -> None:
             click.echo(f"\thooks: {', '.join(manager.hooks_of(name))}")
     for failure in manager.failures:
         click.echo(f"{failure.name}\tFAILED TO LOAD: {failure.error}", err=True)
-
-
-from petals.cli.run_dht import dht_command  # noqa: E402
-from petals.cli.run_server import serve_command  # noqa: E402
-
-main.add_command(serve_command)
-main.add_command(dht_command)
-from petals.cli.demo import demo_command  # noqa: E402
-from petals.cli.generate import generate_command  # noqa: E402
-
-main.add_command(demo_command)
-main.add_command(generate_command)

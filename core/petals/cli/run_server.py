@@ -5,7 +5,10 @@ Options take both spellings (``--num_blocks`` and ``--num-blocks``), can come fr
 (``PETALS_NUM_BLOCKS=4``). Precedence: command line, environment, config file, defaults.
 
 ``--torch_dtype auto`` serves in the checkpoint's dtype, except that float32 checkpoints are served
-in bfloat16 on GPUs (as Petals does) and stay float32 on CPU.
+in bfloat16 on GPUs (as Petals does) and stay float32 on CPU. ``--quant_type`` defaults to nf4 on
+GPUs and none on CPU (and with ``--tensor_parallel_devices``, which does not combine with it yet).
+Without ``--num_blocks`` and ``--block_indices`` the server hosts as many blocks as fit in memory
+(``petals.convert.plan_num_blocks``, the arithmetic is logged).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from petals.networking import exclusive, network_cli_options, network_options_fr
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-NOT_YET_SUPPORTED = "is not yet supported by petals-core; remove it to serve the model"
+QUANT_TYPES = ("none", "int8", "nf4")
 
 
 def load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -67,6 +70,28 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str) -> 
     return number
 
 
+class WordsOption(click.Option):
+    """``--option a b c`` as in Petals' argparse ``nargs="+"``: the words up to the next option.
+
+    (Repeating the option or quoting ``"a b c"`` works as well.)
+    """
+
+    def add_to_parser(self, parser, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            parsed = parser._long_opt[name]  # click has no public hook for variadic options
+            parsed.process = _taking_following_words(parsed.process)
+
+
+def _taking_following_words(process):
+    def process_words(value, state) -> None:
+        process(value, state)
+        while state.rargs and not state.rargs[0].startswith("-"):
+            process(state.rargs.pop(0), state)
+
+    return process_words
+
+
 @click.command(
     "serve", context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]}
 )
@@ -94,13 +119,22 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str) -> 
 )
 @option(
     "--quant_type",
-    type=click.Choice(("none", "int8", "nf4")),
-    default="none",
-    show_default=True,
-    help="Weight quantization.",
+    type=click.Choice(QUANT_TYPES),
+    help="Weight quantization (default: nf4 on GPUs, none on CPU or with --tensor_parallel_devices).",
 )
-@option("--tensor_parallel_devices", multiple=True, help="Split each block over these devices.")
-@option("--adapters", multiple=True, help="LoRA adapters (repos) to preload.")
+@option(
+    "--tensor_parallel_devices",
+    cls=WordsOption,
+    multiple=True,
+    help="Split each block over these devices (e.g. cuda:0 cuda:1).",
+)
+@option(
+    "--adapters",
+    cls=WordsOption,
+    multiple=True,
+    help="LoRA adapters to preload (local directories or repo ids, safetensors only); "
+    "clients pick one by this name.",
+)
 @option("--device", help="torch device (default: cuda if available, else cpu).")
 @option(
     "--throughput",
@@ -154,19 +188,18 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str) -> 
 def serve_command(model: str, **options: Any) -> None:
     """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
     configure_logging()
-    for name in ("tensor_parallel_devices", "adapters"):
-        if options[name]:
-            raise click.UsageError(f"--{name} {NOT_YET_SUPPORTED}")
-    if options["quant_type"] != "none":
-        raise click.UsageError(f"--quant_type {options['quant_type']} {NOT_YET_SUPPORTED}")
+    options["tensor_parallel_devices"] = split_words(options["tensor_parallel_devices"])
+    options["adapters"] = split_words(options["adapters"])
+    if options["tensor_parallel_devices"] and (
+        options["quant_type"] not in (None, "none") or options["adapters"]
+    ):
+        raise click.UsageError(
+            "--tensor_parallel_devices cannot be combined with --quant_type int8/nf4 or --adapters yet"
+        )
     exclusive(
         ("--num_blocks", options["num_blocks"] is not None),
         ("--block_indices", options["block_indices"] is not None),
     )
-    if options["num_blocks"] is None and options["block_indices"] is None:
-        raise click.UsageError(
-            "pass --num_blocks N (blocks chosen by the swarm's needs) or --block_indices START:END"
-        )
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
         host_maddrs=split_words(options.pop("host_maddrs")),
@@ -197,6 +230,7 @@ def build_settings(model: str, network, options: dict[str, Any]):
     import torch
 
     from petals.auto import AutoDistributedConfig
+    from petals.convert import plan_num_blocks
     from petals.plugins import PluginError
     from petals.server.server import ServerSettings
     from petals.server.throughput import ThroughputInfo, get_server_throughput
@@ -208,23 +242,58 @@ def build_settings(model: str, network, options: dict[str, Any]):
         )
     except (PluginError, OSError, ValueError) as error:
         raise click.ClickException(str(error)) from error
-    device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        tensor_parallel_devices = tuple(map(torch.device, options["tensor_parallel_devices"]))
+    except RuntimeError as error:
+        raise click.BadParameter(str(error), param_hint="--tensor_parallel_devices") from error
+    default_device = tensor_parallel_devices[0] if tensor_parallel_devices else None
+    device = torch.device(
+        options["device"] or default_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     dtype = resolve_dtype(options["torch_dtype"], config, device)
+    quant_type = options["quant_type"] or (
+        "nf4" if device.type == "cuda" and not tensor_parallel_devices else "none"
+    )
+    adapter_weights = check_adapters(options["adapters"], cache_dir=cache_dir, token=options["token"])
+    grouped_kv = config.num_key_value_groups > 1  # Petals' defaults are larger for GQA/multi-query models
+    attn_cache_tokens = options["attn_cache_tokens"] or (16384 if grouped_kv else 4096)
     total_blocks = config.num_hidden_layers
     blocks = options["block_indices"]
     if blocks is not None and blocks.stop > total_blocks:
         raise click.UsageError(
             f"--block_indices {blocks.start}:{blocks.stop}: the model has {total_blocks} blocks"
         )
-    num_blocks = len(blocks) if blocks is not None else min(options["num_blocks"], total_blocks)
-    grouped_kv = config.num_key_value_groups > 1  # Petals' defaults are larger for GQA/multi-query models
+    if blocks is not None:
+        num_blocks = len(blocks)
+    elif options["num_blocks"] is not None:
+        num_blocks = min(options["num_blocks"], total_blocks)
+    else:
+        try:
+            num_blocks, _ = plan_num_blocks(
+                config,
+                device,
+                dtype,
+                quant_type,
+                attn_cache_tokens,
+                adapter_files=adapter_weights,
+                tensor_parallel_devices=tensor_parallel_devices,
+            )
+        except ValueError as error:
+            raise click.ClickException(str(error)) from error
     throughput = options["throughput"]
     if isinstance(throughput, float):
         throughput_info = ThroughputInfo(throughput)
     else:
         throughput_cache = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
         throughput_info = get_server_throughput(
-            config, dtype, device, num_blocks, cache_dir or throughput_cache, force_eval=throughput != "auto"
+            config,
+            dtype,
+            device,
+            num_blocks,
+            cache_dir or throughput_cache,
+            force_eval=throughput != "auto",
+            quant_type=quant_type,
+            tensor_parallel_devices=tensor_parallel_devices,
         )
         if throughput == "dry_run":
             click.echo(json.dumps(throughput_info.__dict__))
@@ -244,7 +313,7 @@ def build_settings(model: str, network, options: dict[str, Any]):
         cache_dir=cache_dir,
         max_batch_size=options["max_batch_size"] or (8192 if grouped_kv else 2048),
         inference_max_length=options["inference_max_length"] or (8192 if grouped_kv else 2048),
-        attn_cache_tokens=options["attn_cache_tokens"] or (16384 if grouped_kv else 4096),
+        attn_cache_tokens=attn_cache_tokens,
         request_timeout=options["request_timeout"],
         session_timeout=options["session_timeout"],
         step_timeout=options["step_timeout"],
@@ -254,7 +323,20 @@ def build_settings(model: str, network, options: dict[str, Any]):
         mean_balance_check_period=options["mean_balance_check_period"],
         stats_period=options["stats_period"],
         public_name=options["public_name"],
+        quant_type=quant_type,
+        tensor_parallel_devices=tensor_parallel_devices,
+        adapters=options["adapters"],
     )
+
+
+def check_adapters(adapters: tuple[str, ...], **hub_kwargs) -> dict[str, Path]:
+    """Each adapter's safetensors weights (downloaded if needed); a missing or pickle-only one stops the start."""
+    from petals.convert import AdapterError, adapter_files
+
+    try:
+        return {name: adapter_files(name, name, **hub_kwargs)[1] for name in adapters}
+    except (AdapterError, OSError) as error:
+        raise click.ClickException(str(error)) from error
 
 
 def resolve_dtype(name: str, config, device):

@@ -39,13 +39,17 @@ class _ServerSession:
     def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int) -> None:
         self.manager, self.span, self.max_length = manager, span, max_length
         self.session_id = str(uuid.uuid4())
-        self.history: torch.Tensor | None = None  # [batch, position, hidden]: everything this server was sent
+        self._history: list[torch.Tensor] = []  # everything this server was sent, step by step
+        self.position = 0
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
 
     @property
-    def position(self) -> int:
-        return 0 if self.history is None else self.history.shape[1]
+    def history(self) -> torch.Tensor | None:
+        """``[batch, position, hidden]``: the inputs of this span's first block so far."""
+        if len(self._history) > 1:
+            self._history = [torch.cat(self._history, dim=1)]
+        return self._history[0] if self._history else None
 
     async def _request_stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         while (request := await self._requests.get()) is not None:
@@ -83,7 +87,8 @@ class _ServerSession:
                 config.connect_timeout,
             )
         self._requests.put_nowait(request)
-        response = await asyncio.wait_for(anext(self._responses), config.request_timeout)
+        async with asyncio.timeout(config.request_timeout):
+            response = await anext(self._responses)
         if len(response.tensors) != 1:
             raise RuntimeError(
                 f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
@@ -93,12 +98,13 @@ class _ServerSession:
             raise RuntimeError(
                 f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
             )
-        self.history = hidden if self.history is None else torch.cat([self.history, hidden], dim=1)
+        self._history.append(hidden)
+        self.position += hidden.shape[1]
         return output.to(hidden.dtype)
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
-        if self.history is not None:
-            self.history = self.history[hypo_ids]
+        if self._history:
+            self._history = [self.history[hypo_ids]]
 
     async def close(self) -> None:
         """End the stream politely (an empty request), without waiting long for a dead server."""

@@ -88,6 +88,10 @@ class DistributedModelMixin:
     def remote_blocks(self) -> RemoteSequential:
         return self.get_submodule(self.config.block_prefix)[0].remote
 
+    def close(self) -> None:
+        """Leave the swarm: stop this model's p2p daemon and DHT node (its sessions must be closed)."""
+        self.remote_blocks.network.close()
+
     @property
     def prompt_length(self) -> int:
         return self.config.pre_seq_len if self.config.tuning_mode in PTUNE_MODES else 0

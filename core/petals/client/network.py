@@ -67,6 +67,11 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, p2p: P2
     async def stop() -> None:
         await node.shutdown()
         await p2p.shutdown()
+        # end hivemind's background tasks too, so that none is "destroyed but pending" at exit
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     if loop.is_running():
         try:

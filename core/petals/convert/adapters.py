@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 from safetensors.torch import load_file
 from torch import nn
@@ -48,21 +49,7 @@ def load_adapters(
     _mark_quantized_linears(block)
     loaded = dict(getattr(block, "petals_adapters", {}))
     for name, source in adapters.items():
-        files = Checkpoint(str(source), {}, {"cache_dir": None, "revision": None, "token": None} | hub_kwargs)
-        config_path, weights_path = files._fetch(ADAPTER_CONFIG), files._fetch(ADAPTER_WEIGHTS)
-        if weights_path is None:
-            pickled = files._fetch(PICKLE_WEIGHTS) is not None
-            raise AdapterError(
-                f"adapter {name!r} ({source}) has no {ADAPTER_WEIGHTS}"
-                + (
-                    f", only the pickle file {PICKLE_WEIGHTS}, which petals refuses to unpickle"
-                    if pickled
-                    else ""
-                )
-                + "; re-save it with save_pretrained(safe_serialization=True)"
-            )
-        if config_path is None:
-            raise AdapterError(f"adapter {name!r} ({source}) has no {ADAPTER_CONFIG}")
+        config_path, weights_path = adapter_files(name, source, **hub_kwargs)
         lora_config = LoraConfig.from_pretrained(config_path.parent)
         if lora_config.peft_type != "LORA":
             raise AdapterError(
@@ -83,6 +70,29 @@ def load_adapters(
     block.petals_adapter_lock = getattr(block, "petals_adapter_lock", None) or threading.RLock()
     _activate(block, None)
     return block
+
+
+def adapter_files(name: str, source: str | os.PathLike, **hub_kwargs) -> tuple[Path, Path]:
+    """The local paths of an adapter's config and safetensors weights (downloaded if a hub repo).
+
+    Raises ``AdapterError`` when either is missing, e.g. for an adapter saved only as a pickle.
+    """
+    files = Checkpoint(str(source), {}, {"cache_dir": None, "revision": None, "token": None} | hub_kwargs)
+    config_path, weights_path = files._fetch(ADAPTER_CONFIG), files._fetch(ADAPTER_WEIGHTS)
+    if weights_path is None:
+        pickled = files._fetch(PICKLE_WEIGHTS) is not None
+        raise AdapterError(
+            f"adapter {name!r} ({source}) has no {ADAPTER_WEIGHTS}"
+            + (
+                f", only the pickle file {PICKLE_WEIGHTS}, which petals refuses to unpickle"
+                if pickled
+                else ""
+            )
+            + "; re-save it with save_pretrained(safe_serialization=True)"
+        )
+    if config_path is None:
+        raise AdapterError(f"adapter {name!r} ({source}) has no {ADAPTER_CONFIG}")
+    return config_path, weights_path
 
 
 @contextmanager

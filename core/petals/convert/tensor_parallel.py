@@ -21,6 +21,35 @@ from petals.kv_cache import BlockCache, KVCacheLayout
 from petals.plugins import get_plugin_manager
 
 
+class ShardedCache(Sequence[BlockCache]):
+    """One session's cache of a sharded block: a ``BlockCache`` per shard, rewound and reordered together."""
+
+    def __init__(self, shards: Sequence[BlockCache]) -> None:
+        self.shards = list(shards)
+
+    def __getitem__(self, index):
+        return self.shards[index]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def position(self) -> int:
+        return self.shards[0].position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+    def rewind(self, position: int) -> None:
+        for shard in self.shards:
+            shard.rewind(position)
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        for shard in self.shards:
+            shard.reorder(hypo_ids)
+
+
 class TensorParallelBlock(nn.Module):
     """A block sharded over ``devices``: ``forward(hidden_states, caches=None)`` with one cache per shard."""
 
@@ -48,11 +77,15 @@ class TensorParallelBlock(nn.Module):
 
     def allocate_caches(
         self, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32
-    ) -> list[BlockCache]:
+    ) -> ShardedCache:
         """One cache per shard, on its device, holding that shard's key/value heads."""
-        return [
+        return ShardedCache(
             BlockCache(self.shard_layout, batch_size, max_length, dtype, device) for device in self.devices
-        ]
+        )
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Keys and values of one token over all shards (a multi-query head is copied on each)."""
+        return len(self.devices) * self.shard_layout.bytes_per_token(dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, caches: Sequence[BlockCache] | None = None

@@ -4,10 +4,15 @@ Everything here runs in the compute thread (``scheduler.ComputeQueue``). Inputs 
 the client's dtype; each block computes in the server's dtype on the server's device; outputs go
 back to CPU in the server's dtype. Deep prompts ``[B|1, pre_len, H]`` are added to the first
 ``pre_len`` positions of a block's input, as Petals does.
+
+A block's module is what ``petals.convert.convert_block`` made of it: plain, quantized, with LoRA
+adapters (a request's ``active_adapter`` picks one: ``with_adapter``), or a ``TensorParallelBlock``
+whose sessions hold one cache per shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +21,13 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from transformers import PretrainedConfig
 
 from petals.block import allocate_cache, kv_cache_layout
+from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
 from petals.kv_cache import BlockCache
 
 
 @dataclass
 class BlockBackend:
-    """One hosted block: its uid, module and where and how it computes."""
+    """One hosted block: its uid, module, where and how it computes, and the LoRA adapter it applies."""
 
     uid: str
     index: int
@@ -29,10 +35,22 @@ class BlockBackend:
     config: PretrainedConfig
     dtype: torch.dtype
     device: torch.device
+    adapter: str | None = None
+
+    def with_adapter(self, adapter: str | None) -> BlockBackend:
+        """The same block computing with LoRA adapter ``adapter`` (None: the base model)."""
+        return dataclasses.replace(self, adapter=adapter or None)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes of one token in this block, as allocated (all shards together)."""
+        if isinstance(self.module, TensorParallelBlock):
+            return self.module.bytes_per_token(self.dtype)
+        return kv_cache_layout(self.config).bytes_per_token(self.dtype)
 
     def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        with torch.no_grad():
-            return self.module(self._input(hidden, prompt), None)
+        with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
+            return module(self._input(hidden, prompt), None)
 
     def backward(
         self, hidden: torch.Tensor, prompt: torch.Tensor | None, grad_output: torch.Tensor
@@ -43,18 +61,20 @@ class BlockBackend:
         prompt's gradient there (unreduced over the batch, as Petals returns it).
         """
         hidden = self._input(hidden, prompt).requires_grad_(True)
-        with torch.enable_grad():
-            output = self.module(hidden, None)
+        with torch.enable_grad(), using_adapter(self.module, self.adapter) as module:
+            output = module(hidden, None)
             (grad_input,) = torch.autograd.grad(output, hidden, grad_output.to(self.device, output.dtype))
         return grad_input
 
     def inference_step(
-        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: BlockCache
+        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: BlockCache | ShardedCache
     ) -> torch.Tensor:
-        with torch.no_grad():
-            return self.module(self._input(hidden, prompt), cache)
+        with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
+            return module(self._input(hidden, prompt), cache)
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache:
+    def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache | ShardedCache:
+        if isinstance(self.module, TensorParallelBlock):
+            return self.module.allocate_caches(batch_size, max_length, self.dtype)
         return allocate_cache(self.config, batch_size, max_length, self.dtype, self.device)
 
     def _input(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
@@ -81,7 +101,7 @@ class HostedBlocks:
         first = backends[0]
         self.config, self.dtype, self.device = first.config, first.dtype, first.device
         self.hidden_size: int = first.config.hidden_size
-        self.bytes_per_token = kv_cache_layout(first.config).bytes_per_token(first.dtype)
+        self.bytes_per_token = first.bytes_per_token
         hidden = BatchTensorDescriptor(1, 2048, self.hidden_size, dtype=self.dtype, compression=compression)
         self.args_schema = (hidden,)
         self.outputs_schema = (hidden,)

@@ -28,7 +28,7 @@ from petals.data_structures import make_uids, parse_uid_chain
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
-from petals.server.sessions import InferenceSession, SessionRegistry
+from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry, run_decode_steps
 from petals.wire import (
     WireError,
     deserialize_tensors,
@@ -44,6 +44,7 @@ from petals.wire import (
 logger = logging.getLogger(__name__)
 
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
+PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)
 
 
 class InferenceArgs(NamedTuple):
@@ -79,6 +80,17 @@ class TransformerConnectionHandler(ServicerBase):
         self.blocks, self.dht_prefix, self.p2p = blocks, dht_prefix, p2p
         self.compute, self.budget, self.sessions, self.limits = compute, budget, sessions, limits
         self._background: set[asyncio.Task] = set()
+        # counters, reported under the extra rpc_info key "stats" (stock Petals peers ignore it)
+        self.stats = dict.fromkeys(
+            (
+                "inference_steps",
+                "steps_from_pushes",
+                "duplicate_steps_dropped",
+                "pushes_sent",
+                "pushes_failed",
+            ),
+            0,
+        )
 
     # ---- rpc_info ----------------------------------------------------------------------------
 
@@ -88,6 +100,7 @@ class TransformerConnectionHandler(ServicerBase):
                 "version": petals.__version__,
                 "dht_client_mode": False,
                 "cache_tokens_available": self.budget.tokens_left,
+                "stats": {**self.stats, "merged_batches": self.compute.batches_merged},
             }
             if request.uid:
                 self._backends(request.uid)
@@ -131,8 +144,7 @@ class TransformerConnectionHandler(ServicerBase):
                 yield part
 
     async def _forward_request(self, uid: str, metadata: dict, tensors: list[torch.Tensor]) -> torch.Tensor:
-        backends = self._backends(uid)
-        self._check_adapter(metadata)
+        backends = self._with_adapter(self._backends(uid), metadata)
         args = unpack_args(tensors, metadata.get("args_structure"))
         if not args:
             raise WireError("rpc_forward expects (hidden_states, prompts)")
@@ -153,8 +165,7 @@ class TransformerConnectionHandler(ServicerBase):
     async def _backward_request(
         self, uid: str, metadata: dict, tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        backends = self._backends(uid)
-        self._check_adapter(metadata)
+        backends = self._with_adapter(self._backends(uid), metadata)
         args = unpack_args(tensors, metadata.get("args_structure"))
         if len(args) < 2:
             raise WireError("rpc_backward expects (inputs, grad_outputs, prompts)")
@@ -202,7 +213,7 @@ class TransformerConnectionHandler(ServicerBase):
                 return
             backends = self._backends(first.uid)
             metadata = read_metadata(first.metadata)
-            self._check_adapter(metadata)
+            backends = self._with_adapter(backends, metadata)
             max_length = metadata.get("max_length")
             if max_length is None:
                 raise WireError("the first inference request must carry metadata max_length")
@@ -267,7 +278,8 @@ class TransformerConnectionHandler(ServicerBase):
         if left <= 0:
             raise WireError(f"session exceeded --session_timeout {self.limits.session_timeout} s")
         try:
-            return await asyncio.wait_for(session.inbox.get(), min(self.limits.step_timeout, left))
+            async with asyncio.timeout(min(self.limits.step_timeout, left)):
+                return await session.inbox.get()
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise WireError(
@@ -281,8 +293,11 @@ class TransformerConnectionHandler(ServicerBase):
         step_id = metadata.get("step_id")
         if step_id is not None:
             if step_id in session.done_steps:
-                return None  # already computed from a push by the previous server
+                self.stats["duplicate_steps_dropped"] += 1
+                return None  # already computed: the previous server's push and the client's copy race
             session.done_steps.add(step_id)
+        self.stats["inference_steps"] += 1
+        self.stats["steps_from_pushes"] += bool(metadata.get("pushed"))
         hidden, prompts, hypo_ids, request = args
         if hidden.shape[0] != session.batch_size:
             raise WireError(
@@ -303,9 +318,11 @@ class TransformerConnectionHandler(ServicerBase):
             )
         output = await self._run_inference(session, hidden, prompts, hypo_ids, start)
         output_proto = serialize_tensor(output.to(self.blocks.dtype))
-        next_servers = metadata.get("next_servers")
-        if next_servers and all(prompt is None for prompt in prompts):
+        if metadata.get("next_servers") and all(prompt is None for prompt in prompts):
             self._spawn(self._push(output_proto, request, metadata))
+            await asyncio.sleep(
+                0
+            )  # the push is on the critical path, the reply only feeds the client's history
         return runtime_pb2.ExpertResponse(tensors=[output_proto])
 
     async def _run_inference(
@@ -316,16 +333,31 @@ class TransformerConnectionHandler(ServicerBase):
         hypo_ids: torch.Tensor | None,
         start: int | None,
     ) -> torch.Tensor:
-        await self.compute.run(Priority.DECODE, 0, _bind(_prepare_caches, session.caches, hypo_ids, start))
         tokens = hidden.shape[0] * hidden.shape[1]
-        if tokens == 0:
-            return hidden
-        steps = list(zip(session.backends, prompts, session.caches, strict=True))
+        if tokens <= MAX_SHORT_INFERENCE_TOKENS and all(prompt is None for prompt in prompts):
+            position = session.position if start is None else start
+            key = (session.span_key, position, hidden.shape[1], hidden.dtype)
+            if not session.stackable:
+                key = (key, session.session_id)  # steps of other sessions cannot share its forward
+            step = DecodeStep(session, hidden, hypo_ids, start)
+            return await self.compute.run_batched(Priority.DECODE, tokens, key, step, run_decode_steps)
         if tokens <= MAX_SHORT_INFERENCE_TOKENS:
-            return await self.compute.run(Priority.DECODE, tokens, _bind(_inference_steps, steps, hidden))
-        for step in steps:  # a long prefill: one task per block so others' decode steps slip in between
-            hidden = await self.compute.run(Priority.PREFILL, tokens, _bind(_inference_steps, [step], hidden))
-        return hidden
+            return await self.compute.run(
+                Priority.DECODE, tokens, _bind(_prepare_and_run, session, hidden, prompts, hypo_ids, start)
+            )
+        # a long prefill: one task per block and chunk of tokens, so that others' decode steps slip in
+        await self.compute.run(Priority.DECODE, 0, _bind(session.prepare, hypo_ids, start))
+        chunk_length = max(1, PREFILL_CHUNK_TOKENS // hidden.shape[0])
+        for index, prompt in enumerate(prompts):
+            chunks = hidden.split(chunk_length, dim=1) if prompt is None else [hidden]
+            outputs = []
+            for chunk in chunks:
+                run_chunk = _bind(session.run_block, index, chunk, prompt)
+                outputs.append(
+                    await self.compute.run(Priority.PREFILL, chunk.numel() // chunk.shape[-1], run_chunk)
+                )
+            hidden = torch.cat(outputs, dim=1)
+        return hidden.cpu()
 
     def _inference_args(
         self, request: runtime_pb2.ExpertRequest, metadata: dict, first_metadata: dict, num_blocks: int
@@ -372,9 +404,9 @@ class TransformerConnectionHandler(ServicerBase):
         try:
             stub = type(self).get_stub(self.p2p, PeerID.from_base58(peer_b58))
             await stub.rpc_push(pushed, timeout=self.limits.request_timeout)
-        except (
-            Exception
-        ) as error:  # the client sends every step itself too, so a failed push costs only latency
+            self.stats["pushes_sent"] += 1
+        except Exception as error:  # the client sends every step itself too: a failed push costs only latency
+            self.stats["pushes_failed"] += 1
             logger.debug("Push to %s failed: %s", peer_b58, error)
 
     # ---- checks and helpers ------------------------------------------------------------------
@@ -391,11 +423,13 @@ class TransformerConnectionHandler(ServicerBase):
             )
         return [self.blocks.backends[uid] for uid in uids]
 
-    def _check_adapter(self, metadata: dict) -> None:
+    def _with_adapter(self, backends: list[BlockBackend], metadata: dict) -> list[BlockBackend]:
+        """The blocks computing with the request's ``active_adapter`` (one this server preloaded)."""
         adapter = metadata.get("active_adapter")
         if adapter and adapter not in self.limits.adapters:
             available = ", ".join(self.limits.adapters) or "none"
             raise WireError(f"unknown adapter {adapter!r}; this server has: {available}")
+        return [backend.with_adapter(adapter) for backend in backends]
 
     def _check_hidden(self, hidden: torch.Tensor, *, allow_empty: bool) -> torch.Tensor:
         if not hidden.is_floating_point():
@@ -492,15 +526,12 @@ def _allocate_caches(backends: Sequence[BlockBackend], batch_size: int, max_leng
     return [backend.allocate_cache(batch_size, max_length) for backend in backends]
 
 
-def _prepare_caches(caches: list, hypo_ids: torch.Tensor | None, start: int | None) -> None:
-    for cache in caches:
-        if start is not None:
-            cache.rewind(start)
-        if hypo_ids is not None:
-            cache.reorder(hypo_ids)
-
-
-def _inference_steps(steps: list, hidden: torch.Tensor) -> torch.Tensor:
-    for backend, prompt, cache in steps:
-        hidden = backend.inference_step(hidden, prompt, cache)
-    return hidden.cpu()
+def _prepare_and_run(
+    session: InferenceSession,
+    hidden: torch.Tensor,
+    prompts: list[torch.Tensor | None],
+    hypo_ids: torch.Tensor | None,
+    start: int | None,
+) -> torch.Tensor:
+    session.prepare(hypo_ids, start)
+    return session.run_blocks(hidden, prompts)

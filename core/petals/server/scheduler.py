@@ -1,32 +1,43 @@
-"""One compute thread for all torch work, fed by a priority queue.
+"""One compute thread for all torch work, fed by a priority queue that merges concurrent decode steps.
 
-The event loop never runs torch: handlers ``await queue.run(priority, fn, ...)`` and the worker
-thread runs tasks most-urgent-first (lower priority value first, then arrival order). A decode step
-of one session is a single small task; a long prefill or a forward/backward pass is submitted one
-block at a time, so other sessions' decode steps slip in between its blocks instead of waiting for
-the whole pass. Tasks carry their kind and size, which is what a later batcher needs to merge
-concurrent decode steps into one forward.
+The event loop never runs torch: handlers ``await queue.run(...)`` and the worker thread runs tasks
+most-urgent-first (lower priority value first, then arrival order). A decode step is one task for
+all blocks of its span; a long prefill or a forward/backward pass is submitted one block at a time
+(and a prefill in chunks of tokens), so other sessions' decode steps slip in between its parts
+instead of waiting for the whole pass.
+
+Tasks submitted with ``run_batched`` carry a batch key: when the worker takes one, it also takes
+every queued task with the same key and runs them all with one call of their batch function
+(e.g. the decode steps of several sessions at the same position, as one forward per block). Nothing
+waits to fill a batch: steps that arrive while the worker is busy are merged, the rest run alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+MAX_BATCH_TOKENS = 256  # decode steps merged into one call carry at most this many tokens in total
+# up to this many tokens per task, torch runs on one thread: small ops gain nothing from more threads,
+# and idle OpenMP workers spinning after every op steal the CPU other processes need
+SINGLE_THREAD_TOKENS = 64
 
 
 class Priority(IntEnum):
     DECODE = 0  # short inference steps: one task for all blocks of the span
-    PREFILL = 1  # long inference steps, one task per block
+    PREFILL = 1  # long inference steps, one task per block and chunk
     FORWARD = 2  # rpc_forward / rpc_backward, one task per block
 
 
@@ -35,55 +46,112 @@ class _Task:
     priority: int
     sequence: int
     tokens: int = field(compare=False)
-    function: Callable[[], Any] = field(compare=False)
+    function: Callable[[list[Any]], list[Any]] = field(compare=False)
+    item: Any = field(compare=False)
+    key: Hashable | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
     loop: asyncio.AbstractEventLoop = field(compare=False)
 
 
 class ComputeQueue:
-    """Runs submitted functions in one worker thread, most urgent first."""
+    """Runs submitted functions in one worker thread, most urgent first, merging batchable ones."""
 
-    def __init__(self) -> None:
-        self._tasks: queue.PriorityQueue[_Task | None] = queue.PriorityQueue()
+    def __init__(self, max_batch_tokens: int = MAX_BATCH_TOKENS) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self._heap: list[_Task] = []
+        self._changed = threading.Condition()
+        self._stopping = False
         self._sequence = itertools.count()
         self._thread = threading.Thread(target=self._work, name="petals-compute", daemon=True)
         self.tokens_processed = 0
         self.busy_seconds = 0.0
+        self.batches_merged = 0  # calls that ran more than one task at once
+        self._max_threads = torch.get_num_threads()
 
     def start(self) -> None:
         self._thread.start()
 
     def shutdown(self) -> None:
-        self._tasks.put(
-            _Task(priority=1 << 30, sequence=1 << 62, tokens=0, function=None, future=None, loop=None)
-        )
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
         self._thread.join(timeout=30)
 
     async def run(self, priority: Priority, tokens: int, function: Callable[[], Any]) -> Any:
         """Run ``function()`` in the compute thread and return its result (or raise its exception)."""
+        return await self._submit(priority, tokens, lambda items: [function()], None, None)
+
+    async def run_batched(
+        self,
+        priority: Priority,
+        tokens: int,
+        key: Hashable,
+        item: Any,
+        function: Callable[[list[Any]], list[Any]],
+    ) -> Any:
+        """Run ``function([item, ...])`` together with other queued items of the same ``key``.
+
+        ``function`` returns one result per item, in order; this call returns ``item``'s. An
+        exception fails every item of the batch.
+        """
+        return await self._submit(priority, tokens, function, item, key)
+
+    async def _submit(self, priority, tokens, function, item, key) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._tasks.put(_Task(int(priority), next(self._sequence), tokens, function, future, loop))
+        task = _Task(int(priority), next(self._sequence), tokens, function, item, key, future, loop)
+        with self._changed:
+            heapq.heappush(self._heap, task)
+            self._changed.notify()
         return await future
 
+    def _next_batch(self) -> list[_Task] | None:
+        with self._changed:
+            while not self._heap and not self._stopping:
+                self._changed.wait()
+            if self._stopping:
+                return None
+            first = heapq.heappop(self._heap)
+            batch = [first]
+            if first.key is not None and self._heap:
+                tokens, rest = first.tokens, []
+                for task in sorted(self._heap):
+                    if task.key == first.key and tokens + task.tokens <= self.max_batch_tokens:
+                        batch.append(task)
+                        tokens += task.tokens
+                    else:
+                        rest.append(task)
+                if len(batch) > 1:
+                    self._heap = rest  # sorted, hence a valid heap
+            return batch
+
     def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task.function is None:
-                return
-            if task.future.cancelled():  # its requester is gone
+        while (batch := self._next_batch()) is not None:
+            batch = [task for task in batch if not task.future.cancelled()]  # their requesters are gone
+            if not batch:
                 continue
-            started = time.perf_counter()
+            tokens = sum(task.tokens for task in batch)
             try:
-                result, error = task.function(), None
-            except BaseException as exception:  # handed to the awaiting handler, which reports it
-                result, error = None, exception
+                results, error = self._execute(batch[0].function, [task.item for task in batch], tokens), None
+            except BaseException as exception:  # handed to the awaiting handlers, which report it
+                results, error = [None] * len(batch), exception
+            self.batches_merged += len(batch) > 1
+            for task, result in zip(batch, results, strict=True):
+                try:
+                    task.loop.call_soon_threadsafe(_settle, task.future, result, error)
+                except RuntimeError:  # the event loop is closed: the server is shutting down
+                    return
+
+    def _execute(
+        self, function: Callable[[list[Any]], list[Any]], items: list[Any], tokens: int
+    ) -> list[Any]:
+        torch.set_num_threads(1 if tokens <= SINGLE_THREAD_TOKENS else self._max_threads)
+        started = time.perf_counter()
+        try:
+            return function(items)
+        finally:
             self.busy_seconds += time.perf_counter() - started
-            self.tokens_processed += task.tokens
-            try:
-                task.loop.call_soon_threadsafe(_settle, task.future, result, error)
-            except RuntimeError:  # the event loop is closed: the server is shutting down
-                return
+            self.tokens_processed += tokens
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

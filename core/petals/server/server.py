@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 
 import petals
 from petals.auto import AutoDistributedConfig
+from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, declare_model, expiration_from_now, get_remote_module_infos
 from petals.loading import Checkpoint, load_block
@@ -28,6 +29,7 @@ from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
 from petals.server.memory import CacheBudget
+from petals.server.pings import NextPings
 from petals.server.scheduler import ComputeQueue
 from petals.server.sessions import SessionRegistry
 from petals.server.throughput import ThroughputInfo
@@ -63,7 +65,9 @@ class ServerSettings:
     mean_balance_check_period: float = 60
     stats_period: float = 60
     public_name: str | None = None
-    adapters: tuple[str, ...] = ()
+    quant_type: str = "none"
+    tensor_parallel_devices: tuple[torch.device, ...] = ()
+    adapters: tuple[str, ...] = ()  # each a local directory or a repo id, also the name clients ask for
 
 
 class Server:
@@ -124,7 +128,14 @@ class Server:
         infos = await get_remote_module_infos(node, self.all_uids, latest=True)
         return choose_best_blocks(self.settings.num_blocks, infos)
 
-    def server_info(self, state: ServerState, blocks: range, budget: CacheBudget | None) -> ServerInfo:
+    def server_info(
+        self,
+        state: ServerState,
+        blocks: range,
+        budget: CacheBudget | None,
+        weight_bytes: int | None = None,
+        next_pings: dict[str, float] | None = None,
+    ) -> ServerInfo:
         return ServerInfo(
             state=state,
             throughput=float(self.settings.throughput.throughput),
@@ -136,10 +147,11 @@ class Server:
             inference_rps=self.settings.throughput.inference_rps,
             adapters=self.settings.adapters,
             torch_dtype=str(self.settings.dtype).removeprefix("torch."),
-            quant_type="none",
+            quant_type=self.settings.quant_type,
             using_relay=False,
             cache_tokens_left=budget.tokens_left if budget is not None else None,
-            next_pings=None,
+            next_pings=next_pings,
+            weight_bytes=weight_bytes,
         )
 
     def model_info(self) -> ModelInfo:
@@ -157,9 +169,12 @@ class ServingSpan:
         self.uids = make_uids(server.dht_prefix, blocks.start, blocks.stop)
         self.state = ServerState.JOINING
         self.budget: CacheBudget | None = None
+        self.weight_bytes: int | None = None
         self.sessions = SessionRegistry()
         self.handler: TransformerConnectionHandler | None = None
         self._announcer: asyncio.Task | None = None
+        next_uid = f"{server.dht_prefix}.{blocks.stop}" if blocks.stop < server.total_blocks else None
+        self.pings = NextPings(p2p, next_uid)
 
     async def start(self) -> None:
         logger.info(
@@ -172,6 +187,14 @@ class ServingSpan:
         self._announcer = asyncio.create_task(self._announce_periodically())
         await self._announce(ServerState.JOINING)
         hosted = HostedBlocks(await asyncio.to_thread(self._load_blocks))
+        self.weight_bytes = sum(block_weight_bytes(backend.module) for backend in hosted.backends.values())
+        logger.info(
+            "Weight memory: %.2f MiB (%d bytes) for %d blocks, quant_type %s",
+            self.weight_bytes / 2**20,
+            self.weight_bytes,
+            len(hosted),
+            self.settings.quant_type,
+        )
         max_bytes = self.settings.attn_cache_tokens * hosted.bytes_per_token * len(hosted)
         self.budget = CacheBudget(max_bytes, hosted.bytes_per_token)
         limits = HandlerLimits(
@@ -193,7 +216,7 @@ class ServingSpan:
             self.blocks.start,
             self.blocks.stop,
             str(self.settings.dtype).removeprefix("torch."),
-            self.settings.device,
+            ", ".join(map(str, self.settings.tensor_parallel_devices or [self.settings.device])),
             self.settings.attn_cache_tokens,
             max_bytes / 2**20,
         )
@@ -203,15 +226,27 @@ class ServingSpan:
             self.settings.model, cache_dir=self.settings.cache_dir, token=self.settings.token
         )
         backends = []
+        hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
         for count, index in enumerate(self.blocks, start=1):
             started = time.perf_counter()
-            module = load_block(
+            block = load_block(
                 self.settings.model,
                 index,
                 self.settings.dtype,
                 config=self.server.config,
                 checkpoint=checkpoint,
-            ).to(self.settings.device)
+            )
+            module = convert_block(
+                block,
+                index,
+                self.server.config,
+                dtype=self.settings.dtype,
+                device=self.settings.device,
+                quant_type=self.settings.quant_type,
+                tensor_parallel_devices=self.settings.tensor_parallel_devices,
+                adapters={name: name for name in self.settings.adapters},
+                **hub_kwargs,
+            )
             backends.append(
                 BlockBackend(
                     self.uids[count - 1],
@@ -293,10 +328,18 @@ class ServingSpan:
     async def _announce(self, state: ServerState) -> None:
         self.state = state
         expiration = expiration_from_now(self.server.expiration)
-        info = self.server.server_info(state, self.blocks, self.budget)
+        next_pings = await self._next_pings() if state == ServerState.ONLINE else None
+        info = self.server.server_info(state, self.blocks, self.budget, self.weight_bytes, next_pings)
         await declare_active_modules(self.node, self.uids, info, expiration)
         if state != ServerState.OFFLINE:
             await declare_model(self.node, self.server.dht_prefix, self.server.model_info(), expiration)
+
+    async def _next_pings(self) -> dict[str, float] | None:
+        try:
+            return await self.pings.refresh(self.node)
+        except Exception as error:  # announcing matters more than the pings
+            logger.warning("Could not ping the next servers: %s", error)
+            return None
 
     async def _announce_periodically(self) -> None:
         while True:

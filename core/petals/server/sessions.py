@@ -1,4 +1,10 @@
-"""Open inference sessions: their caches, position and inbox, found by session id for ``rpc_push``."""
+"""Open inference sessions: their caches, position and inbox (found by session id for ``rpc_push``),
+and the torch work of their steps, which runs in the compute thread.
+
+Decode steps of several sessions over the same blocks and at the same position run as one forward
+per block (``run_decode_steps``): their caches are stacked into one batch for the block, and the
+new keys and values are copied back into each session's own cache.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from hivemind.proto import runtime_pb2
 
 from petals.kv_cache import BlockCache
@@ -29,9 +36,97 @@ class InferenceSession:
     def position(self) -> int:
         return self.caches[0].position
 
+    @property
+    def span_key(self) -> tuple:
+        """Sessions with equal keys compute the same function of their inputs (blocks and adapter)."""
+        return tuple((backend.uid, backend.adapter) for backend in self.backends)
+
+    @property
+    def stackable(self) -> bool:
+        """Whether its steps can share a forward with other sessions' (plain caches, not sharded ones)."""
+        return all(isinstance(cache, BlockCache) for cache in self.caches)
+
     def close(self) -> None:
         """Ask the session's loop to finish (the loop frees the caches)."""
         self.inbox.put_nowait(None)
+
+    # ---- compute (in the compute thread) -----------------------------------------------------
+
+    def prepare(self, hypo_ids: torch.Tensor | None, start: int | None) -> None:
+        """Rewind to ``start`` and reorder beams by ``hypo_ids`` before a step."""
+        for cache in self.caches:
+            if start is not None:
+                cache.rewind(start)
+            if hypo_ids is not None:
+                cache.reorder(hypo_ids)
+
+    def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        return self.backends[index].inference_step(hidden, prompt, self.caches[index])
+
+    def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
+        for index, prompt in enumerate(prompts):
+            hidden = self.run_block(index, hidden, prompt)
+        return hidden.cpu()
+
+
+@dataclass
+class DecodeStep:
+    """A short step of one session without deep prompts: what the compute queue merges."""
+
+    session: InferenceSession
+    hidden: torch.Tensor
+    hypo_ids: torch.Tensor | None
+    start: int | None
+
+
+def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor]:
+    """Run same-position steps of sessions over the same blocks, one forward per block for all."""
+    for step in steps:
+        step.session.prepare(step.hypo_ids, step.start)
+    if steps[0].hidden.shape[1] == 0:  # a pre-allocation or rewind-only step
+        return [step.hidden for step in steps]
+    if len(steps) == 1 or not steps[0].session.stackable:
+        return [step.session.run_blocks(step.hidden, [None] * len(step.session.backends)) for step in steps]
+    sizes = [step.hidden.shape[0] for step in steps]
+    hidden = torch.cat([step.hidden for step in steps])
+    for index, backend in enumerate(steps[0].session.backends):
+        caches = [step.session.caches[index] for step in steps]
+        stacked = stack_caches(caches, hidden.shape[1])
+        hidden = backend.inference_step(hidden, None, stacked)
+        unstack_caches(stacked, caches)
+    return list(hidden.cpu().split(sizes))
+
+
+def stack_caches(caches: list[BlockCache], new_tokens: int) -> BlockCache:
+    """One cache holding ``caches`` (all at the same position) along the batch, with room for the step."""
+    first = caches[0].layer
+    position = first.length
+    stacked = BlockCache(
+        caches[0].layout,
+        sum(cache.num_sequences for cache in caches),
+        position + new_tokens,
+        first.keys.dtype,
+        first.keys.device,
+    )
+    row = 0
+    for cache in caches:
+        rows = slice(row, row + cache.num_sequences)
+        stacked.layer.keys[rows, :, :position] = cache.layer.keys[:, :, :position]
+        stacked.layer.values[rows, :, :position] = cache.layer.values[:, :, :position]
+        row += cache.num_sequences
+    stacked.layer.length = position
+    return stacked
+
+
+def unstack_caches(stacked: BlockCache, caches: list[BlockCache]) -> None:
+    """Copy the keys and values a step added to ``stacked`` back into each session's cache."""
+    start, end, row = caches[0].position, stacked.position, 0
+    for cache in caches:
+        rows = slice(row, row + cache.num_sequences)
+        cache.layer.keys[:, :, start:end] = stacked.layer.keys[rows, :, start:end]
+        cache.layer.values[:, :, start:end] = stacked.layer.values[rows, :, start:end]
+        cache.layer.length = end
+        row += cache.num_sequences
 
 
 class SessionRegistry:

@@ -1,9 +1,11 @@
 """How many tokens per second this server can push through its blocks (announced for balancing).
 
 ``auto`` measures once and caches the numbers in ``<cache_dir>/throughput_v1.json`` (keyed by the
-model's shape, device and dtype); ``eval`` measures again; a float is taken as given. We measure
-compute only, on a block with random weights: a short timed forward of ``FORWARD_TOKENS`` tokens
-(``forward_rps``) and single-token steps with a KV cache (``inference_rps``), both per block.
+model's shape, device, dtype, quantization and tensor-parallel devices); ``eval`` measures again; a
+float is taken as given. We measure compute only, on a block with random weights converted as the
+served ones are (``convert_block``: same quantization, same sharding) and run through the same
+``BlockBackend``: a short timed forward of ``FORWARD_TOKENS`` tokens (``forward_rps``) and
+single-token steps with a KV cache (``inference_rps``), both per block.
 There is no internet speed test: the announced ``throughput`` is
 ``forward_rps / ((num_blocks + 1) / 2)``, the rate of a request crossing half the server's blocks
 on average, as Petals computes it.
@@ -15,13 +17,16 @@ import fcntl
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from petals.block import allocate_cache, make_block
+from petals.block import make_block
+from petals.convert import QuantType, convert_block
+from petals.server.backend import BlockBackend
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +51,26 @@ def get_server_throughput(
     cache_dir: Path,
     *,
     force_eval: bool = False,
+    quant_type: QuantType | str = QuantType.NONE,
+    tensor_parallel_devices: Sequence[torch.device] = (),
 ) -> ThroughputInfo:
-    """Measured (or cached) compute throughput for ``num_blocks`` blocks of this model."""
+    """Measured (or cached) compute throughput for ``num_blocks`` blocks of this model, converted as served."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = _cache_key(config, dtype, device)
+    conversion = {
+        "quant_type": QuantType(quant_type),
+        "tensor_parallel_devices": tuple(tensor_parallel_devices),
+    }
+    key = _cache_key(config, dtype, device, **conversion)
     with open(cache_dir / "throughput.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # servers started together measure one after another
         cache_path = cache_dir / CACHE_FILE
         cache = _read_cache(cache_path)
         if force_eval or key not in cache:
             started = time.perf_counter()
+            backend = _converted_random_block(config, dtype, device, **conversion)
             cache[key] = {
-                "forward_rps": measure_compute_rps(config, dtype, device, inference=False),
-                "inference_rps": measure_compute_rps(config, dtype, device, inference=True),
+                "forward_rps": measure_compute_rps(backend, inference=False),
+                "inference_rps": measure_compute_rps(backend, inference=True),
             }
             cache_path.write_text(json.dumps(cache, indent=2))
             logger.info(
@@ -72,28 +84,43 @@ def get_server_throughput(
     )
 
 
-def measure_compute_rps(
-    config: PretrainedConfig, dtype: torch.dtype, device: torch.device, *, inference: bool
-) -> float:
-    """Tokens per second through one block with random weights."""
-    with torch.device(device):
-        block = make_block(config).to(dtype).eval().requires_grad_(False)
-    hidden_size = config.hidden_size
-    with torch.no_grad():
-        if inference:
-            cache = allocate_cache(config, 1, INFERENCE_STEPS + 1, dtype, device)
-            step = torch.randn(1, 1, hidden_size, dtype=dtype, device=device)
-            block(step, cache)  # warm-up
-            started = _now(device)
-            for _ in range(INFERENCE_STEPS):
-                block(step, cache)
-            return INFERENCE_STEPS / (_now(device) - started)
-        hidden = torch.randn(1, FORWARD_TOKENS, hidden_size, dtype=dtype, device=device)
-        block(hidden, None)  # warm-up
+def _converted_random_block(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant_type: QuantType,
+    tensor_parallel_devices: tuple[torch.device, ...],
+) -> BlockBackend:
+    block = make_block(config).to(dtype).eval().requires_grad_(False)  # on CPU: quantized on the move
+    module = convert_block(
+        block,
+        0,
+        config,
+        dtype=dtype,
+        device=device,
+        quant_type=quant_type,
+        tensor_parallel_devices=tensor_parallel_devices,
+    )
+    return BlockBackend("throughput.0", 0, module, config, dtype, device)
+
+
+def measure_compute_rps(backend: BlockBackend, *, inference: bool) -> float:
+    """Tokens per second through one block (random weights, converted as served)."""
+    hidden_size, dtype, device = backend.config.hidden_size, backend.dtype, backend.device
+    if inference:
+        cache = backend.allocate_cache(1, INFERENCE_STEPS + 1)
+        step = torch.randn(1, 1, hidden_size, dtype=dtype, device=device)
+        backend.inference_step(step, None, cache)  # warm-up
         started = _now(device)
-        for _ in range(FORWARD_STEPS):
-            block(hidden, None)
-        return FORWARD_STEPS * FORWARD_TOKENS / (_now(device) - started)
+        for _ in range(INFERENCE_STEPS):
+            backend.inference_step(step, None, cache)
+        return INFERENCE_STEPS / (_now(device) - started)
+    hidden = torch.randn(1, FORWARD_TOKENS, hidden_size, dtype=dtype, device=device)
+    backend.forward(hidden, None)  # warm-up
+    started = _now(device)
+    for _ in range(FORWARD_STEPS):
+        backend.forward(hidden, None)
+    return FORWARD_STEPS * FORWARD_TOKENS / (_now(device) - started)
 
 
 def _now(device: torch.device) -> float:
@@ -102,10 +129,19 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _cache_key(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> str:
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+def _cache_key(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant_type: QuantType,
+    tensor_parallel_devices: tuple[torch.device, ...],
+) -> str:
+    devices = tensor_parallel_devices or (device,)
+    device_name = "+".join(
+        torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in map(torch.device, devices)
+    )
     shape = f"{config.model_type}_h{config.hidden_size}_i{getattr(config, 'intermediate_size', 0)}"
-    return f"{shape}_device_{device_name}_dtype_{str(dtype).removeprefix('torch.')}"
+    return f"{shape}_device_{device_name}_dtype_{str(dtype).removeprefix('torch.')}_quant_{quant_type.value}"
 
 
 def _read_cache(path: Path) -> dict:
