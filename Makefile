@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo bench clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest
+
+# the benchmark suite: ratios vs plain transformers into benchmarks/results (JSON, summary.md, chart.png)
+bench: $(INSTALLED)
+	$(BIN)/python -m benchmarks
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

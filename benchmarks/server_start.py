@@ -1,53 +1,59 @@
-"""How fast a ``petals serve`` process becomes ONLINE, how many processes it runs, how much memory.
+"""(d) Seconds from starting ``petals serve`` to its blocks being ONLINE in the DHT.
 
-    python benchmarks/server_start.py
+    python -m benchmarks.server_start [--quick]
 
-Starts a local bootstrap peer and one server hosting all blocks of a tiny random Llama (saved in a
-temporary directory), all on 127.0.0.1 with NAT/relay features off, and prints:
-seconds from process start to ONLINE, the server's processes (python + p2pd), and their PSS.
+One server hosting all blocks of the tiny Llama (fp32, fixed throughput) joins a local bootstrap
+peer; the time runs from spawning the process to its "ONLINE" log line, best of several starts.
+There is no transformers counterpart; for scale, the ratio divides by the time a bare
+``python -c "import torch, transformers"`` takes on the same machine.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
-import tempfile
-from pathlib import Path
+import time
 
-import psutil
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from benchmarks.harness import SERVER_ARGS, Check, Context, Result, main, summary
 
-from petals.testing.swarm import start_dht, start_server
-
-TINY_LLAMA = LlamaConfig(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=1000,
-)
+GOAL_SECONDS = 3.0
 
 
-def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(tmp) / "tiny-llama"
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(TINY_LLAMA).save_pretrained(model_path)
-        with start_dht() as dht:
-            with start_server(
-                model_path, dht.initial_peers, "--block_indices", "0:4", "--throughput", "1"
-            ) as server:
-                root = psutil.Process(server.pid)
-                processes = [root, *root.children(recursive=True)]
-                pss = {process.name(): process.memory_full_info().pss for process in processes}
-                print(f"start → ONLINE: {server.ready_seconds:.2f} s")
-                print(f"processes: {len(processes)} ({', '.join(pss)})")
-                for name, value in pss.items():
-                    print(f"PSS {name}: {value / 2**20:.1f} MiB")
-                print(f"PSS total: {sum(pss.values()) / 2**20:.1f} MiB")
-    sys.exit(0)
+def bare_import_seconds() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True)
+    return time.perf_counter() - started
 
+
+def server_start(ctx: Context) -> Result:
+    from petals.testing.swarm import start_dht, start_server
+
+    starts = ctx.pick(5, 1)
+    ctx.close_swarm()  # nothing else running while we time
+    path = ctx.model_path("tiny-llama")
+    blocks = f"0:{ctx.num_blocks('tiny-llama')}"
+    bare_import_seconds()  # warm-up: the page cache holds the libraries for both measurements
+    online, imports = [], []
+    with start_dht() as dht:
+        for _ in range(starts):
+            imports.append(bare_import_seconds())
+            args = ("--block_indices", blocks, "--torch_dtype", "float32", *SERVER_ARGS)
+            with start_server(path, dht.initial_peers, *args, timeout=120) as server:
+                online.append(server.ready_seconds)
+    seconds = summary(online)["best"]
+    bare = summary(imports)["best"]
+    return Result(
+        item="d",
+        title="server start to ONLINE (tiny Llama, all blocks)",
+        ratio=seconds / bare,
+        baseline='python -c "import torch, transformers"',
+        checks=[Check("start to ONLINE", seconds, GOAL_SECONDS, "<=", unit="s")],
+        measurements={"start_to_online_seconds": summary(online), "bare_import_seconds": summary(imports)},
+        settings={"model": "tiny-llama", "blocks": blocks, "starts": starts, "server_args": SERVER_ARGS},
+    )
+
+
+BENCHMARKS = {"server_start": server_start}
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCHMARKS))

@@ -69,7 +69,10 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         text=True,
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
-    assert "model type 'llama' has no installed plugin; installed: bloom, falcon, mistral, mixtral" in failed.stderr
+    assert (
+        "model type 'llama' has no installed plugin; installed: bloom, falcon, mistral, mixtral"
+        in failed.stderr
+    )
 
 
 class TinyTestConfig(DistributedConfigMixin, LlamaConfig):

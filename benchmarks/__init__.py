@@ -1,0 +1,1 @@
+"""petals-core benchmarks: the product against plain transformers, as ratios (see README, Benchmarks)."""

@@ -1,0 +1,72 @@
+"""(a), (b) Per-token generation latency through a local swarm vs the same model in transformers.
+
+    python -m benchmarks.generation_latency [--quick]
+
+Greedy ``generate`` of a fixed number of new tokens after a 16-token prompt, with plain
+transformers and with ``AutoDistributedModelForCausalLM`` (embeddings and LM head local, blocks on
+the servers), taking turns in one process. Seconds per new token include the prefill and opening
+the inference session: what a user waits for. Ratio = best swarm time / best local time.
+(a) tiny Llama (hidden 256, 8 layers, GQA 8/4, fp32), 2 servers x 4 blocks; Petals 2.2: 5.37x.
+(b) SmolLM2-135M-Instruct (fp32), 3 servers x 10 blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from benchmarks.harness import Check, Context, Result, against_local, main
+
+
+def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: float) -> Result:
+    new_tokens, repeats = ctx.pick((64, 5), (4, 1))
+    local = ctx.local_model(model)
+    remote = ctx.swarm(model, servers).client()
+    vocab_size = local.config.vocab_size
+    prompt = torch.randint(3, vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    options = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=local.config.eos_token_id,
+    )
+
+    def generate(model) -> None:
+        with torch.no_grad():
+            output = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+        assert output.shape[1] == prompt.shape[1] + new_tokens
+
+    samples = against_local(lambda: generate(local), lambda: generate(remote), repeats)
+    per_token = {
+        name: {key: value / new_tokens for key, value in result.items() if key != "samples"}
+        for name, result in samples.items()
+    }
+    ratio = per_token["swarm"]["best"] / per_token["local"]["best"]
+    return Result(
+        item=item,
+        title=f"per-token generation latency, {servers} servers ({model})",
+        ratio=ratio,
+        baseline="transformers generate, same model, same process",
+        checks=[Check("swarm / local seconds per token", ratio, goal, "<=")],
+        measurements={"seconds_per_token": per_token, "seconds_per_run": samples},
+        settings={
+            "model": model,
+            "servers": servers,
+            "prompt_tokens": prompt.shape[1],
+            "new_tokens": new_tokens,
+            "repeats": repeats,
+        },
+    )
+
+
+BENCHMARKS = {
+    "latency_tiny_llama": functools.partial(
+        generation_latency, item="a", model="tiny-llama", servers=2, goal=1.5
+    ),
+    "latency_smollm2": functools.partial(generation_latency, item="b", model="smollm2", servers=3, goal=1.3),
+}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))
