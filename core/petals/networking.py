@@ -4,16 +4,21 @@ Both ``petals serve`` and ``petals dht`` create one ``hivemind.p2p.P2P`` from a 
 hivemind's ``P2P.create`` turns NAT port mapping (UPnP/NAT-PMP probes of the LAN gateway), AutoNAT
 and circuit relays on by default; ``--loopback`` turns all of them off and listens on 127.0.0.1 only,
 so a local swarm (tests, demos) sends nothing beyond the machine.
+
+hivemind (and with it torch) is imported only when a peer is created, so ``petals serve --help``
+and option errors come back at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from hivemind.p2p import P2P
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
 
 PUBLIC_INITIAL_PEERS = (
     "/dns/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
@@ -43,6 +48,8 @@ class NetworkOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     async def create_p2p(self) -> P2P:
+        from hivemind.p2p import P2P
+
         return await P2P.create(
             initial_peers=list(self.initial_peers),
             host_maddrs=list(self.host_maddrs),

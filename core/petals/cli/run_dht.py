@@ -7,14 +7,14 @@ then keeps the DHT running until SIGINT/SIGTERM and exits 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import Any
 
 import click
-from hivemind.dht import DHTNode
 
-from petals.cli.run_server import configure_logging
+from petals.cli.run_server import configure_logging, resume_gc
 from petals.networking import network_cli_options, network_options_from_cli, option, split_words
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,16 @@ logger = logging.getLogger(__name__)
 def dht_command(refresh_period: float, **options: Any) -> None:
     """Run a DHT bootstrap peer for a (new or existing) swarm."""
     configure_logging()
+    gc.disable()  # while importing and joining, as petals serve does (see collect_startup_garbage)
+    try:
+        run_dht(refresh_period, options)
+    finally:
+        gc.enable()
+
+
+def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
+    from hivemind.dht import DHTNode
+
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
         host_maddrs=split_words(options.pop("host_maddrs")),
@@ -49,6 +59,7 @@ def dht_command(refresh_period: float, **options: Any) -> None:
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))
             click.get_text_stream("stdout").flush()
+            resume_gc()
             logger.info(
                 "DHT bootstrap peer %s is running; pass the lines above to --initial_peers", p2p.peer_id
             )

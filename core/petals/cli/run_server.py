@@ -14,6 +14,8 @@ Without ``--num_blocks`` and ``--block_indices`` the server hosts as many blocks
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from petals.networking import exclusive, network_cli_options, network_options_from_cli, option, split_words
 
@@ -37,6 +38,8 @@ def load_config_file(ctx: click.Context, param: click.Parameter, path: str | Non
     """``-c FILE``: a YAML mapping of option names to values, used as defaults for this command."""
     if path is None:
         return None
+    import yaml
+
     try:
         values = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as error:
@@ -188,6 +191,17 @@ def _taking_following_words(process):
 def serve_command(model: str, **options: Any) -> None:
     """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
     configure_logging()
+    gc.disable()  # until the server is ONLINE: see collect_startup_garbage
+    try:
+        settings = settings_from_cli(model, options)
+        if settings is not None:
+            sys.exit(run_server(settings))
+    finally:
+        gc.enable()
+
+
+def settings_from_cli(model: str, options: dict[str, Any]):
+    """Check the option combinations, then ``build_settings``."""
     options["tensor_parallel_devices"] = split_words(options["tensor_parallel_devices"])
     options["adapters"] = split_words(options["adapters"])
     if options["tensor_parallel_devices"] and (
@@ -206,10 +220,7 @@ def serve_command(model: str, **options: Any) -> None:
         announce_maddrs=split_words(options.pop("announce_maddrs")),
         **{name: options.pop(name) for name in NETWORK_SCALARS},
     )
-    settings = build_settings(model, network, options)
-    if settings is None:
-        return
-    sys.exit(run_server(settings))
+    return build_settings(model, network, options)
 
 
 NETWORK_SCALARS = (
@@ -362,10 +373,45 @@ def run_server(settings) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, server.stop.set)
-        await server.run()
+        collecting = asyncio.create_task(collect_startup_garbage(server.online))
+        try:
+            await server.run()
+        finally:
+            collecting.cancel()
 
     asyncio.run(main())
     return 0
+
+
+async def collect_startup_garbage(online: asyncio.Event) -> None:
+    """Once the server is ONLINE, free the garbage of starting it and turn the cyclic GC back on.
+
+    Starting creates ~650k objects that live as long as the process (imported modules, mostly);
+    with the GC on, Python traverses them in ~6 full collections while importing, ~0.6 s of a 3 s
+    start, and finds ~10k objects (~7 MiB) of garbage. ``serve_command`` turns the GC off instead,
+    and this one collection after going ONLINE (~0.3 s) frees that garbage.
+    """
+    await online.wait()
+    resume_gc()
+
+
+def resume_gc() -> None:
+    """Collect once, turn the cyclic GC back on and give the freed memory back to the OS."""
+    gc.collect()
+    gc.enable()
+    release_free_heap()
+
+
+def release_free_heap() -> None:
+    """Hand memory that is free but still held by malloc back to the OS (glibc only; else a no-op).
+
+    glibc keeps freed heap pages for reuse; after the startup collection (and a throughput
+    measurement's random block) that is ~7-10 MiB of a server's resident memory.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def configure_logging() -> None:

@@ -81,6 +81,7 @@ class Server:
         self.all_uids = make_uids(self.dht_prefix, 0, self.total_blocks)
         self.expiration = settings.expiration or max(2 * settings.update_period, 3)
         self.stop = asyncio.Event()
+        self.online = asyncio.Event()  # set once the server has first announced ONLINE
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly."""
@@ -210,6 +211,7 @@ class ServingSpan:
         )
         await self.handler.add_p2p_handlers(self.p2p)
         await self._announce(ServerState.ONLINE)
+        self.server.online.set()
         logger.info(
             "%s: blocks %d:%d, %s on %s, KV cache for %d tokens per block (%.1f MiB)",
             READY_MESSAGE,
