@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -30,6 +33,19 @@ def test_missing_blocks_name_the_prefix_and_block(swarm):
         model(torch.tensor([[5, 6, 7]]))
 
 
+def test_an_adapter_no_server_has_is_named_with_the_block(swarm):
+    path, peers = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, active_adapter="my-lora", max_retries=None, **LOOPBACK_CLIENT
+    )
+    expected = r"block \S+\.0 has the adapter 'my-lora' .*offer no adapters.*--adapters my-lora"
+    with pytest.raises(MissingBlocksError, match=expected):  # at once, although retries are unlimited
+        model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(MissingBlocksError, match=expected):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    model.close()
+
+
 def test_max_length_beyond_every_server_is_refused(swarm):
     path, peers = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
@@ -55,3 +71,31 @@ def test_model_type_without_plugin(tmp_path):
         petals.AutoDistributedModelForCausalLM.from_pretrained(
             tmp_path, initial_peers=["/ip4/127.0.0.1/tcp/1"]
         )
+
+
+def test_leaving_the_swarm_prints_no_pending_task_warnings(swarm):
+    """WireClient.close() and a model left open at exit shut their loops and daemons down cleanly."""
+    path, peers = swarm
+    script = textwrap.dedent(
+        """
+        import sys, torch, petals
+        from petals.testing.swarm import LOOPBACK_CLIENT
+        from petals.testing.wire_client import WireClient
+
+        path, *peers = sys.argv[1:]
+        client = WireClient(peers)
+        client.dht_get("_petals.models")
+        client.close()
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=peers, **LOOPBACK_CLIENT
+        )
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+        print("done")  # the model stays open: its network leaves at interpreter exit
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path), *peers], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr
+    assert "Task was destroyed" not in result.stderr, result.stderr
+    assert "Exception ignored" not in result.stderr, result.stderr

@@ -3,8 +3,8 @@
 Every server session remembers the hidden states it was sent (``history``: the inputs of its first
 block for every position so far). When a server fails or stalls, the session bans it, routes its
 blocks again (minimum latency, enough KV cache) and sends the replacement the whole history plus the
-current step as its first message, so the replacement rebuilds its cache and answers for the same
-positions. If the blocks are split over several replacements, each one's replay output is the next
+current step as its first message, with the deep prompts that came with position 0 (prompt tuning),
+so the replacement rebuilds exactly the cache the dead server had and answers for the same positions. If the blocks are split over several replacements, each one's replay output is the next
 one's history. Positions never go out of step, so a healthy replacement is never blamed for the
 dead server (Petals issue #587).
 """
@@ -139,6 +139,7 @@ class InferenceSession:
         self.output_ids: torch.Tensor | None = None  # tokens seen so far (kept by generate)
         self.pending_hypo_ids: torch.Tensor | None = None  # a beam reorder for the next step
         self._sessions: list[_ServerSession] = []
+        self._first_prompts: torch.Tensor | None = None  # deep prompts of position 0, replayed on failover
         self._closed = False
 
     @property
@@ -191,6 +192,10 @@ class InferenceSession:
         if hypo_ids is not None:
             for session in self._sessions:
                 session.reorder(hypo_ids)
+            if self._first_prompts is not None and self._first_prompts.shape[1] > 1:
+                self._first_prompts = self._first_prompts[:, hypo_ids]
+        if self.position == 0:
+            self._first_prompts = prompts
         step_id = str(uuid.uuid4())
         num_blocks = len(self.manager)
         replay: torch.Tensor | None = (
@@ -208,9 +213,11 @@ class InferenceSession:
                         f"no history to replay for blocks {session.span.start}:{session.span.end}"
                     )
                 inputs = torch.cat([replay, hidden], dim=1) if fresh else hidden
-                span_prompts = prompts[session.span.start : session.span.end] if prompts is not None else None
-                if fresh:
-                    span_prompts = None  # deep prompts are sent with position 0 only (not replayed yet)
+                # a replay starts at position 0, so it carries the deep prompts sent with position 0
+                step_prompts = self._first_prompts if fresh else prompts
+                span_prompts = (
+                    step_prompts[session.span.start : session.span.end] if step_prompts is not None else None
+                )
                 output = await session.step(
                     inputs,
                     span_prompts,

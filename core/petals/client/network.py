@@ -59,27 +59,48 @@ class ClientNetwork:
         self._finalizer()
 
     def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        stop_event_loop(self.loop, self._thread, cancel_other_tasks())
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, p2p: P2P, node: DHTNode) -> None:
-    async def stop() -> None:
+    stop_event_loop(loop, thread, leave_swarm(node, p2p))
+
+
+async def leave_swarm(node: DHTNode, p2p: P2P) -> None:
+    """Shut down a DHT node and its p2p daemon, then end every other task of the running loop.
+
+    hivemind leaves background tasks behind (DHT refreshes, daemon readers); cancelled and awaited
+    here, none is "destroyed but pending" when the loop goes away.
+    """
+    try:
         await node.shutdown()
         await p2p.shutdown()
-        # end hivemind's background tasks too, so that none is "destroyed but pending" at exit
-        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+    finally:
+        await cancel_other_tasks()
 
-    if loop.is_running():
-        try:
-            asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
-        except Exception:  # best effort: the daemon dies with the process anyway
-            pass
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+
+async def cancel_other_tasks() -> None:
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
+
+def stop_event_loop(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, last: Coroutine[Any, Any, Any]
+) -> None:
+    """Run ``last`` on ``loop`` (best effort, 10 s), then stop the loop, join its thread and close it."""
+    if not loop.is_running():
+        last.close()
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(last, loop).result(10)
+    except Exception:  # best effort: the daemon dies with the process anyway
+        asyncio.run_coroutine_threadsafe(cancel_other_tasks(), loop).result(5)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    if not thread.is_alive():
+        loop.close()
 
 
 def network_options(config: Any) -> NetworkOptions:

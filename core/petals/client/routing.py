@@ -58,7 +58,8 @@ class RemoteSequenceManager:
         self.network = network
         self.dht_prefix: str = config.dht_prefix
         self.block_uids = make_uids(self.dht_prefix, 0, num_blocks)
-        self.spans: dict[PeerID, RemoteSpanInfo] = {}
+        self.online_spans: dict[PeerID, RemoteSpanInfo] = {}  # every usable ONLINE server
+        self.spans: dict[PeerID, RemoteSpanInfo] = {}  # those of them with the active adapter
         self.pings: dict[PeerID, float] = {}
         self.bans: dict[PeerID, _Ban] = {}
         self.last_update = -float("inf")
@@ -73,16 +74,20 @@ class RemoteSequenceManager:
 
     async def update(self) -> None:
         """Re-read the DHT records and ping servers not pinged yet."""
-        infos = await get_remote_module_infos(
-            self.network.node, self.block_uids, latest=True, active_adapter=self.config.active_adapter
-        )
+        infos = await get_remote_module_infos(self.network.node, self.block_uids, latest=True)
         spans = compute_spans(infos, min_state=ServerState.ONLINE)
         allowed = _peer_set(self.config.allowed_servers)
         blocked = _peer_set(self.config.blocked_servers) or set()
-        self.spans = {
+        self.online_spans = {
             peer: span
             for peer, span in spans.items()
             if (allowed is None or peer in allowed) and peer not in blocked
+        }
+        adapter = self.config.active_adapter
+        self.spans = {
+            peer: span
+            for peer, span in self.online_spans.items()
+            if not adapter or adapter in span.server_info.adapters
         }
         self.last_update = time.monotonic()
         unpinged = [peer for peer in self.spans if peer not in self.pings][
@@ -173,13 +178,21 @@ class RemoteSequenceManager:
         missing = [block for block in range(start, end) if block not in covered]
         if not missing:
             return
-        known = {block for span in self.spans.values() for block in range(span.start, span.end)}
-        first = missing[0]
-        if first not in known:
+        first, adapter = missing[0], self.config.active_adapter
+        hosting = [span for span in self.online_spans.values() if span.start <= first < span.end]
+        with_adapter = [span for span in hosting if span.peer_id in self.spans]
+        if hosting and not with_adapter:
+            offered = sorted({name for span in hosting for name in span.server_info.adapters})
+            raise MissingBlocksError(
+                f"no server for block {self.block_uids[first]} has the adapter {adapter!r} (active_adapter); "
+                f"its {len(hosting)} server(s) offer {', '.join(map(repr, offered)) or 'no adapters'}. "
+                f"Start a server with `--adapters {adapter}` for blocks {_ranges(missing)}, "
+                "or choose another active_adapter."
+            )
+        if not hosting:
             reason = "no ONLINE server announces it in the DHT"
-        elif cache_tokens_needed is not None and any(
-            span.start <= first < span.end and not _has_cache_for(span, cache_tokens_needed)
-            for span in self.spans.values()
+        elif cache_tokens_needed is not None and not any(
+            _has_cache_for(span, cache_tokens_needed) for span in with_adapter
         ):
             reason = f"no server has KV cache left for a session of {cache_tokens_needed} tokens"
         else:

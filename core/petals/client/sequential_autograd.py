@@ -4,6 +4,7 @@ Forward routes for maximum throughput and calls ``rpc_forward`` span by span, ke
 inputs. Backward walks the spans in reverse with ``rpc_backward``; when a server fails there, its
 blocks are recomputed forward on another route (fresh inputs for each new span) and backward goes
 on from there. Gradients flow to the inputs and to deep prompts; server weights stay frozen.
+Large batches go as concurrent sub-batches of at most ``MAX_TOKENS_IN_BATCH`` tokens (as in Petals).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from petals.wire import pack_args_kwargs
 logger = logging.getLogger(__name__)
 
 EMPTY = torch.empty(0)
+MAX_TOKENS_IN_BATCH = 1024  # Petals' sub-batch size, below every default --max_batch_size
 SpanInputs = list[tuple[RemoteSpanInfo, torch.Tensor]]
 
 
@@ -125,12 +127,19 @@ async def sequential_backward(
         manager.on_request_success(span.peer_id)
         grad_output = grads[0].to(inputs.dtype)
         if grad_prompts is not None and len(grads) > 1:
-            grad_prompts[span.start : span.end] += grads[1].to(grad_prompts.dtype)
+            grad = grads[1].to(grad_prompts.dtype)  # per row; prompts shared by all rows get their sum
+            if grad_prompts.shape[1] == 1:
+                grad = grad.sum(dim=1, keepdim=True)
+            grad_prompts[span.start : span.end] += grad
     return grad_output, grad_prompts
 
 
 class RemoteChainFunction(torch.autograd.Function):
-    """``apply(hidden, prompts, manager)``: blocks ``0..n`` of the swarm, differentiable."""
+    """``apply(hidden, prompts, manager)``: blocks ``0..n`` of the swarm, differentiable.
+
+    The batch travels in sub-batches of ``max(MAX_TOKENS_IN_BATCH // length, 1)`` rows, all in
+    flight at once, so that no request exceeds a server's ``--max_batch_size`` by batch size alone.
+    """
 
     @staticmethod
     def forward(
@@ -138,17 +147,51 @@ class RemoteChainFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         inputs = hidden.detach().cpu()
         deep = prompts.detach().cpu().to(inputs.dtype) if prompts.numel() else None
-        output, done = manager.network.run(sequential_forward(manager, inputs, deep, 0, len(manager)))
-        ctx.manager, ctx.done, ctx.deep = manager, done, deep
-        ctx.device, ctx.prompts_meta = hidden.device, (prompts.shape, prompts.dtype, prompts.device)
+        parts = sub_batches(inputs.shape[0], inputs.shape[1])
+        results = manager.network.run(
+            _gather(
+                sequential_forward(manager, inputs[part], _prompt_rows(deep, part), 0, len(manager))
+                for part in parts
+            )
+        )
+        ctx.manager, ctx.parts, ctx.deep = manager, parts, deep
+        ctx.done = [done for _, done in results]
+        ctx.device, ctx.dtype = hidden.device, inputs.dtype
+        ctx.prompts_meta = (prompts.dtype, prompts.device)
+        output = torch.cat([output for output, _ in results])
         return output.to(device=hidden.device, dtype=hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad = grad_output.detach().cpu().to(ctx.done[0][1].dtype)
-        grad_inputs, grad_prompts = ctx.manager.network.run(
-            sequential_backward(ctx.manager, grad, ctx.done, ctx.deep)
+        grad = grad_output.detach().cpu().to(ctx.dtype)
+        results = ctx.manager.network.run(
+            _gather(
+                sequential_backward(ctx.manager, grad[part], done, _prompt_rows(ctx.deep, part))
+                for part, done in zip(ctx.parts, ctx.done, strict=True)
+            )
         )
-        shape, dtype, device = ctx.prompts_meta
-        grad_prompts = grad_prompts.to(device=device, dtype=dtype) if grad_prompts is not None else None
+        grad_inputs = torch.cat([grad_inputs for grad_inputs, _ in results])
+        grad_prompts = None
+        if ctx.deep is not None:
+            parts = [grad_prompts for _, grad_prompts in results]
+            grad_prompts = sum(parts) if ctx.deep.shape[1] == 1 else torch.cat(parts, dim=1)
+            dtype, device = ctx.prompts_meta
+            grad_prompts = grad_prompts.to(device=device, dtype=dtype)
         return grad_inputs.to(device=ctx.device, dtype=grad_output.dtype), grad_prompts, None
+
+
+def sub_batches(batch_size: int, length: int) -> list[slice]:
+    """Petals' split: ``max(MAX_TOKENS_IN_BATCH // length, 1)`` rows per sub-batch."""
+    rows = max(MAX_TOKENS_IN_BATCH // max(length, 1), 1)
+    return [slice(start, min(start + rows, batch_size)) for start in range(0, batch_size, rows)]
+
+
+def _prompt_rows(prompts: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """Deep prompts ``[blocks, batch|1, pre_len, hidden]`` for some rows of the batch."""
+    if prompts is None or prompts.shape[1] == 1:
+        return prompts
+    return prompts[:, rows]
+
+
+async def _gather(coroutines):
+    return await asyncio.gather(*coroutines)

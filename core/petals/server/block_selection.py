@@ -9,6 +9,7 @@ differs from the one it serves (Petals bug #389: reloading the same blocks).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 
@@ -16,6 +17,8 @@ from hivemind.p2p import PeerID
 
 from petals.data_structures import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from petals.dht import compute_spans
+
+logger = logging.getLogger(__name__)
 
 EPS = 1e-3
 
@@ -55,23 +58,31 @@ def choose_new_blocks(
         return None
     throughputs = compute_throughputs(spans, len(module_infos))
     local = spans[local_peer_id]
+    current = f"blocks {local.start}:{local.end}"
     initial_bottleneck = min(throughputs)
     _shift(throughputs, local, -local.throughput * (1 + EPS))  # the EPS biases towards staying
     if initial_bottleneck > EPS and min(throughputs) <= 0:
-        return None  # leaving would leave some block without any server
+        logger.info("Balance check: staying on %s, the only server for some of them", current)
+        return None
     new_start = choose_best_start(throughputs, local.length)
     if new_start == local.start:
+        logger.info("Balance check: staying on %s, still the best range for this server", current)
         return None
+    new_blocks = range(new_start, new_start + local.length)
     if balance_quality > 1.0:
-        return range(new_start, new_start + local.length)
+        return new_blocks
     _shift(throughputs, local, local.throughput * EPS)
     _move(throughputs, local, new_start)
     _settle_swarm(throughputs, spans)
     new_bottleneck = min(throughputs)
     if new_bottleneck < initial_bottleneck or new_bottleneck < EPS:
+        logger.info("Balance check: staying on %s, moving would not raise the swarm's throughput", current)
         return None
-    if initial_bottleneck / new_bottleneck < balance_quality - EPS:
-        return range(new_start, new_start + local.length)
+    quality = initial_bottleneck / new_bottleneck
+    if quality < balance_quality - EPS:
+        logger.info("Balance check: swarm balance quality %.1f%%, moving would help", quality * 100)
+        return new_blocks
+    logger.info("Balance check: staying on %s, swarm balance quality %.1f%%", current, quality * 100)
     return None
 
 

@@ -21,6 +21,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from petals.client.network import leave_swarm, stop_event_loop
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import RemoteModuleInfo
 from petals.dht import get_remote_module_infos
@@ -54,10 +55,7 @@ class WireClient:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout or self.timeout)
 
     def close(self) -> None:
-        self.run(self.node.shutdown())
-        self.run(self.p2p.shutdown())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        stop_event_loop(self.loop, self._thread, leave_swarm(self.node, self.p2p))
 
     # ---- DHT -----------------------------------------------------------------------------------
 
