@@ -1,21 +1,9 @@
 """petals-qwen2 passes the petals-core conformance kit, sliding-window layers included."""
 
 import pytest
-from transformers import Qwen2Config
 
 from petals.testing import check_family, check_prefix_rules
-
-
-def tiny_qwen2(**overrides) -> Qwen2Config:
-    settings = dict(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-    )
-    return Qwen2Config(**(settings | overrides))
+from qwen2_tiny import tiny_qwen2
 
 
 @pytest.mark.parametrize(

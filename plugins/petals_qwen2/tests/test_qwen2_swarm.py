@@ -2,25 +2,16 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 import petals
 from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm
+from qwen2_tiny import tiny_qwen2
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen2_path(tmp_path_factory):
-    config = Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=2,
-    )
+    config = tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=2)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2"
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
