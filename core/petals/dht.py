@@ -10,9 +10,10 @@ import logging
 from collections.abc import Sequence
 
 from hivemind.dht import DHTNode
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from petals.bounded_msgpack import make_record_validator
 from petals.constants import MODEL_INDEX_KEY
 from petals.data_structures import (
     ModelInfo,
@@ -26,6 +27,13 @@ from petals.data_structures import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+async def create_node(p2p: P2P, initial_peers: Sequence[str], **kwargs) -> DHTNode:
+    """A ``DHTNode`` on ``p2p`` that neither stores nor returns records our decoder would refuse."""
+    return await DHTNode.create(
+        p2p=p2p, initial_peers=list(initial_peers), record_validator=make_record_validator(), **kwargs
+    )
 
 
 async def declare_active_modules(

@@ -50,6 +50,9 @@ class NetworkOptions:
     async def create_p2p(self) -> P2P:
         from hivemind.p2p import P2P
 
+        from petals.bounded_msgpack import bound_msgpack_decoding
+
+        bound_msgpack_decoding()  # before the first byte arrives: the DHT decodes with hivemind's serializer
         return await P2P.create(
             initial_peers=list(self.initial_peers),
             host_maddrs=list(self.host_maddrs),

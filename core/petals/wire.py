@@ -17,6 +17,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from petals.bounded_msgpack import check_msgpack
+
 MAX_UNARY_PAYLOAD_SIZE = (
     2 * 1024**2
 )  # Petals streams larger payloads (the daemon caps unary messages at 4 MiB)
@@ -136,6 +138,7 @@ def read_metadata(raw: bytes) -> dict[str, Any]:
     if not raw:
         return {}
     try:
+        check_msgpack(raw)
         metadata = MSGPackSerializer.loads(raw)
     except Exception as error:
         raise WireError(f"request metadata is not valid MessagePack: {error}") from error

@@ -38,7 +38,7 @@ def dht_command(refresh_period: float, **options: Any) -> None:
 
 
 def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
-    from hivemind.dht import DHTNode
+    from petals.dht import create_node
 
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
@@ -54,7 +54,7 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         p2p = await network.create_p2p()
-        node = await DHTNode.create(p2p=p2p, initial_peers=list(network.initial_peers))
+        node = await create_node(p2p, network.initial_peers)
         try:
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))

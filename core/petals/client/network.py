@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
+from petals.dht import create_node
 from petals.networking import NetworkOptions
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ class ClientNetwork:
         try:
             self.p2p: P2P = self.run(options.create_p2p(), options.startup_timeout)
             self.node: DHTNode = self.run(
-                DHTNode.create(p2p=self.p2p, initial_peers=list(options.initial_peers), client_mode=True),
+                create_node(self.p2p, options.initial_peers, client_mode=True),
                 options.startup_timeout,
             )
         except Exception as error:

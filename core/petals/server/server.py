@@ -22,7 +22,13 @@ import petals
 from petals.auto import AutoDistributedConfig
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
-from petals.dht import declare_active_modules, declare_model, expiration_from_now, get_remote_module_infos
+from petals.dht import (
+    create_node,
+    declare_active_modules,
+    declare_model,
+    expiration_from_now,
+    get_remote_module_infos,
+)
 from petals.loading import Checkpoint, load_block
 from petals.networking import NetworkOptions
 from petals.server.backend import BlockBackend, HostedBlocks
@@ -87,9 +93,7 @@ class Server:
         """Serve until ``stop`` is set, then leave the swarm cleanly."""
         started = time.perf_counter()
         p2p = await self.settings.network.create_p2p()
-        node = await DHTNode.create(
-            p2p=p2p, initial_peers=list(self.settings.network.initial_peers), num_workers=self.total_blocks
-        )
+        node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
         maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
         logger.info(
             "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs

@@ -24,7 +24,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from petals.client.network import leave_swarm, stop_event_loop
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import RemoteModuleInfo
-from petals.dht import get_remote_module_infos
+from petals.dht import create_node, get_remote_module_infos
 from petals.networking import LOOPBACK_MADDRS, NetworkOptions
 from petals.wire import deserialize_tensors, pack_args_kwargs, serialize_tensor, write_metadata
 
@@ -47,9 +47,7 @@ class WireClient:
             use_relay=False,
         )
         self.p2p: P2P = self.run(network.create_p2p())
-        self.node: DHTNode = self.run(
-            DHTNode.create(p2p=self.p2p, initial_peers=list(initial_peers), client_mode=True)
-        )
+        self.node: DHTNode = self.run(create_node(self.p2p, initial_peers, client_mode=True))
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout or self.timeout)
