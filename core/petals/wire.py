@@ -8,6 +8,7 @@ numpy sees the buffer). A malformed message raises ``WireError``, whose text goe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -19,10 +20,13 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from petals.bounded_msgpack import check_msgpack
 
+logger = logging.getLogger(__name__)
+
 MAX_UNARY_PAYLOAD_SIZE = (
     2 * 1024**2
 )  # Petals streams larger payloads (the daemon caps unary messages at 4 MiB)
 STREAM_CHUNK_SIZE = 2 * 1024**2
+MAX_STREAM_PART_BYTES = 4 * 1024**2  # the original Petals splits streams into parts of this size
 TENSOR_MARKER = b"__T"
 NONE = runtime_pb2.CompressionType.NONE
 
@@ -45,6 +49,15 @@ WIRE_COMPRESSIONS = {
 
 class WireError(ValueError):
     """A request that does not follow the protocol; the message is sent back to the peer."""
+
+
+def cut(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters: peers choose these strings, and logs must stay small."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    return cut(repr(value), limit)
 
 
 def deserialize_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
@@ -104,17 +117,64 @@ def split_tensor(proto: runtime_pb2.Tensor, chunk_size: int = STREAM_CHUNK_SIZE)
 
 
 async def read_stream(
-    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
 ) -> tuple[str, dict[str, Any], list[torch.Tensor]]:
-    """A request sent in parts (``rpc_*_stream``): uid and metadata from the first part, all tensors."""
+    """A request sent in parts (``rpc_*_stream``): uid and metadata from the first part, all tensors.
+
+    Refused as soon as the tensors it declares, or the bytes that arrived, exceed ``max_bytes``:
+    nothing more is read from the peer.
+    """
     uid, metadata, parts = None, b"", []
+    declared = received = 0
     async for request in requests:
         if uid is None:
             uid, metadata = request.uid, request.metadata
+        for part in request.tensors:
+            declared += _declared_bytes(part)
+            received += len(part.buffer)
+            if max(declared, received) > max_bytes:
+                raise WireError(
+                    f"the request carries more than {max_bytes} bytes of tensors, the most this server "
+                    "accepts for one request (see its --max_batch_size); split it"
+                )
         parts.extend(request.tensors)
     if uid is None:
         raise WireError("the request stream was empty")
     return uid, read_metadata(metadata), combine_tensor_parts(parts)
+
+
+def _declared_bytes(part: runtime_pb2.Tensor) -> int:
+    """What the first part of a streamed tensor announces (later parts announce nothing)."""
+    if not part.dtype:
+        return 0
+    numel = 1
+    for dim in part.size:
+        numel *= dim
+    dtype = WIRE_DTYPES.get(part.dtype)
+    return numel * (dtype.itemsize if dtype is not None else 1)
+
+
+def limit_message_size(max_bytes: int) -> None:
+    """Refuse any single P2P stream message longer than ``max_bytes`` before reading its body.
+
+    hivemind reads a stream message whole, however long its 8-byte length header says it is, before
+    a handler sees it; unary calls are capped by the daemon, streams are not. A server calls this
+    once with the largest request its limits allow.
+    """
+    from hivemind.p2p import P2P
+
+    async def receive_raw_data(reader) -> bytes:
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        if length > max_bytes:
+            logger.info("Refused a %d-byte stream message (this server's limit: %d bytes)", length, max_bytes)
+            raise MessageTooLarge(f"a {length}-byte message exceeds this server's limit of {max_bytes} bytes")
+        return await reader.readexactly(length)
+
+    P2P.receive_raw_data = staticmethod(receive_raw_data)
+
+
+class MessageTooLarge(WireError):
+    """A stream message whose length header exceeds the limit; the stream is closed unread."""
 
 
 def response_parts(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
@@ -147,7 +207,7 @@ def read_metadata(raw: bytes) -> dict[str, Any]:
     for key, value in metadata.items():
         check = _METADATA_CHECKS.get(key)
         if check is not None and value is not None and not check(value):
-            raise WireError(f"request metadata field {key!r} has an invalid value: {value!r}")
+            raise WireError(f"request metadata field {shown(key)} has an invalid value: {shown(value)}")
     return metadata
 
 

@@ -30,13 +30,18 @@ from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
 from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry, run_decode_steps
 from petals.wire import (
+    MAX_STREAM_PART_BYTES,
+    WIRE_DTYPES,
     WireError,
+    cut,
     deserialize_tensors,
     is_dummy,
+    limit_message_size,
     read_metadata,
     read_stream,
     response_parts,
     serialize_tensor,
+    shown,
     unpack_args,
     write_metadata,
 )
@@ -80,6 +85,12 @@ class TransformerConnectionHandler(ServicerBase):
         self.blocks, self.dht_prefix, self.p2p = blocks, dht_prefix, p2p
         self.compute, self.budget, self.sessions, self.limits = compute, budget, sessions, limits
         self._background: set[asyncio.Task] = set()
+        self.max_request_bytes = max_request_bytes(
+            limits.max_batch_size, blocks.hidden_size, len(blocks.backends)
+        )
+        # one message holds a whole inference step, or one part of a stream (Petals: up to 4 MiB)
+        limit_message_size(max(self.max_request_bytes, MAX_STREAM_PART_BYTES + 2**16))
+        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_quiet_refusals)
         # counters, reported under the extra rpc_info key "stats" (stock Petals peers ignore it)
         self.stats = dict.fromkeys(
             (
@@ -121,7 +132,7 @@ class TransformerConnectionHandler(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async with self._reporting("rpc_forward_stream", context):
-            uid, metadata, tensors = await read_stream(requests)
+            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
             output = await self._forward_request(uid, metadata, tensors)
             for part in response_parts(self._serialize_outputs([output], metadata)):
                 yield part
@@ -138,7 +149,7 @@ class TransformerConnectionHandler(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async with self._reporting("rpc_backward_stream", context):
-            uid, metadata, tensors = await read_stream(requests)
+            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
             grads = await self._backward_request(uid, metadata, tensors)
             for part in response_parts(self._serialize_outputs(grads, metadata)):
                 yield part
@@ -428,7 +439,7 @@ class TransformerConnectionHandler(ServicerBase):
         adapter = metadata.get("active_adapter")
         if adapter and adapter not in self.limits.adapters:
             available = ", ".join(self.limits.adapters) or "none"
-            raise WireError(f"unknown adapter {adapter!r}; this server has: {available}")
+            raise WireError(f"unknown adapter {shown(adapter)}; this server has: {available}")
         return [backend.with_adapter(adapter) for backend in backends]
 
     def _check_hidden(self, hidden: torch.Tensor, *, allow_empty: bool) -> torch.Tensor:
@@ -497,12 +508,28 @@ class TransformerConnectionHandler(ServicerBase):
     async def _reporting(self, method: str, context: P2PContext) -> AsyncIterator[None]:
         try:
             yield
-        except (WireError, AllocationFailed, TimeoutError) as error:
-            logger.info("%s from %s refused: %s", method, _short(context.remote_id), error)
+        except REFUSALS as error:
+            logger.info("%s from %s refused: %s", method, _short(context.remote_id), cut(str(error)))
             raise
         except Exception:
             logger.exception("%s from %s failed", method, _short(context.remote_id))
             raise
+
+
+def max_request_bytes(max_batch_size: int, hidden_size: int, num_blocks: int) -> int:
+    """The largest request the limits allow: hidden states, their gradients and deep prompts for every
+    block, at most ``max_batch_size`` tokens each, in the widest wire dtype, plus room for metadata."""
+    widest = max(dtype.itemsize for dtype in WIRE_DTYPES.values())
+    return max_batch_size * hidden_size * widest * (2 + num_blocks) + 2**16
+
+
+REFUSALS = (WireError, AllocationFailed, TimeoutError)
+
+
+def _quiet_refusals(record: logging.LogRecord) -> bool:
+    """hivemind logs every exception of a stream handler as a WARN traceback; refusals are a peer's
+    mistake, already logged once (by ``_reporting`` or ``limit_message_size``), so drop those records."""
+    return not (record.exc_info and isinstance(record.exc_info[1], REFUSALS))
 
 
 def _short(peer_id: PeerID) -> str:

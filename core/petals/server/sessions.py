@@ -18,6 +18,7 @@ from hivemind.proto import runtime_pb2
 
 from petals.kv_cache import BlockCache
 from petals.server.backend import BlockBackend
+from petals.wire import WireError, shown
 
 
 @dataclass
@@ -142,7 +143,7 @@ class SessionRegistry:
     @contextmanager
     def registered(self, session: InferenceSession) -> Iterator[InferenceSession]:
         if session.session_id in self._sessions:
-            raise ValueError(f"session {session.session_id!r} is already open on this server")
+            raise WireError(f"session {shown(session.session_id)} is already open on this server")
         self._sessions[session.session_id] = session
         try:
             yield session
