@@ -30,6 +30,7 @@ class ClientConfig:
     use_server_to_server: bool = True
     connect_timeout: float = 5
     request_timeout: float = 180
+    min_step_timeout: float = 5  # an inference step waits at least this long, at most request_timeout
     update_period: float = 60
     max_retries: int | None = (
         int(os.environ["PETALS_MAX_RETRIES"]) if "PETALS_MAX_RETRIES" in os.environ else None

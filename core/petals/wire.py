@@ -9,6 +9,7 @@ numpy sees the buffer). A malformed message raises ``WireError``, whose text goe
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -49,6 +50,36 @@ WIRE_COMPRESSIONS = {
 
 class WireError(ValueError):
     """A request that does not follow the protocol; the message is sent back to the peer."""
+
+    kind = "bad_request"
+
+
+class NotServedError(WireError):
+    """The request names blocks this server does not (or no longer) serve."""
+
+    kind = "not_served"
+
+
+# What a refusal means to a client, sent as a "[kind] " prefix of the error text (the only field of
+# hivemind's RPCError; a stock Petals client just shows the text):
+ERROR_KINDS = {
+    "bad_request": "the request itself is wrong: retrying it anywhere fails the same way",
+    "not_served": "this server does not serve those blocks (any more): route again",
+    "cache_full": "no KV cache left for the session here: another server may have some",
+    "timeout": "the server gave up waiting (for the client or its compute queue)",
+    "internal": "the server failed while computing: another server may not",
+}
+_KIND_PATTERN = re.compile(r"\[(" + "|".join(ERROR_KINDS) + r")\] ")
+
+
+def tag_error(kind: str, text: str) -> str:
+    return f"[{kind}] {text}"
+
+
+def error_kind(text: str) -> str | None:
+    """The kind a server of ours tagged its error text with (None from other servers)."""
+    match = _KIND_PATTERN.search(text)
+    return match.group(1) if match else None
 
 
 def cut(text: str, limit: int = 300) -> str:

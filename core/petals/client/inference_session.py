@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from petals.client.routing import MissingBlocksError, RemoteSequenceManager
+from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
 from petals.client.rpc import open_inference_stream
 from petals.data_structures import RemoteSpanInfo
 from petals.wire import deserialize_tensor, pack_args_kwargs, serialize_tensor, write_metadata
@@ -86,16 +86,20 @@ class _ServerSession:
                 open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
                 config.connect_timeout,
             )
+        tokens = hidden.shape[0] * hidden.shape[1]
+        deadlines = self.manager.step_deadlines
+        started = time.perf_counter()
         self._requests.put_nowait(request)
-        async with asyncio.timeout(config.request_timeout):
+        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
             response = await anext(self._responses)
+        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - started)
         if len(response.tensors) != 1:
-            raise RuntimeError(
+            raise ServerMisbehaved(
                 f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
             )
         output = deserialize_tensor(response.tensors[0])
         if output.shape != hidden.shape:
-            raise RuntimeError(
+            raise ServerMisbehaved(
                 f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
             )
         self._history.append(hidden)
@@ -235,11 +239,6 @@ class InferenceSession:
                 attempt = 0
             except MissingBlocksError:
                 raise
-            except P2PHandlerError as error:
-                if "max_length" in str(error) and "exceeds" in str(error):
-                    raise ValueError(f"a server refused the session: {error}") from error
-                replay = await self._fail_over(index, replay, error, attempt)
-                attempt += 1
             except Exception as error:
                 replay = await self._fail_over(index, replay, error, attempt)
                 attempt += 1
@@ -254,13 +253,13 @@ class InferenceSession:
     async def _fail_over(
         self, index: int, replay: torch.Tensor | None, error: BaseException, attempt: int
     ) -> torch.Tensor | None:
-        """Drop the failed server session; the next loop iteration routes its blocks anew."""
-        self.manager.check_retries(attempt, error)
-        if index >= len(self._sessions):  # routing itself failed
+        """Drop the failed server session (the next loop iteration routes its blocks anew), or raise
+        ``error`` when the retry policy says that retrying cannot help."""
+        failed = self._sessions[index] if index < len(self._sessions) else None
+        await self.manager.handle_failure(error, failed.span.peer_id if failed is not None else None, attempt)
+        if failed is None:  # routing itself failed
             logger.warning("Routing failed (%s); retrying", error)
-            await asyncio.sleep(self.manager.retry_delay(attempt))
             return replay
-        failed = self._sessions[index]
         logger.warning(
             "Server %s failed on blocks %d:%d (%s: %s); routing around it",
             failed.span.peer_id,
@@ -269,7 +268,6 @@ class InferenceSession:
             type(error).__name__,
             error,
         )
-        self.manager.on_request_failure(failed.span.peer_id)
         if failed.position > 0:
             replay = failed.history  # what the failed server had seen: the replacement rebuilds from it
         spans = await self.manager.make_sequence(
@@ -279,7 +277,6 @@ class InferenceSession:
             _ServerSession(self.manager, span, self.max_length) for span in spans
         ]
         asyncio.ensure_future(failed.close())
-        await asyncio.sleep(self.manager.retry_delay(attempt))
         return replay
 
     def _next_servers(self, index: int) -> list[list[Any]] | None:

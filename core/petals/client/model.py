@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -81,8 +82,16 @@ class DistributedModelMixin:
             attribute,
             nn.ModuleList([_RemoteLayers(remote, config.block_output_is_tuple, self)]),
         )
-        self.prepended_prompts = 0
+        self._thread_state = threading.local()  # prompts prepended by this thread's current forward
         self._init_prompts(config)
+
+    @property
+    def prepended_prompts(self) -> int:
+        return getattr(self._thread_state, "prepended_prompts", 0)
+
+    @prepended_prompts.setter
+    def prepended_prompts(self, count: int) -> None:
+        self._thread_state.prepended_prompts = count
 
     @property
     def remote_blocks(self) -> RemoteSequential:

@@ -53,8 +53,16 @@ class ClientNetwork:
         self._finalizer = weakref.finalize(self, _shutdown, self.loop, self._thread, self.p2p, self.node)
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coroutine`` on the network loop and wait for its result (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        """Run ``coroutine`` on the network loop and wait for its result (from any other thread).
+
+        If the wait ends early (timeout, Ctrl-C), the coroutine is cancelled rather than left running.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
     def close(self) -> None:
         self._finalizer()

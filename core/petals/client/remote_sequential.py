@@ -2,11 +2,16 @@
 
 Outside an inference session, ``forward`` is differentiable (``rpc_forward`` / ``rpc_backward``);
 inside ``with blocks.inference_session(max_length=...)`` it steps the session (``rpc_inference``).
+
+Thread-safe: the active session belongs to the thread that opened it, so one model serves many
+threads at once (a web app's request handlers, say), each with its own sessions; the network loop,
+routes and bans are shared.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +29,16 @@ class RemoteSequential(nn.Module):
         self.config = config
         self.network = network if network is not None else ClientNetwork(network_options(config))
         self.manager = RemoteSequenceManager(config, self.network, config.num_hidden_layers)
-        self.active_session: InferenceSession | None = None
+        self._thread_state = threading.local()
+
+    @property
+    def active_session(self) -> InferenceSession | None:
+        """The session that ``forward`` steps in the calling thread."""
+        return getattr(self._thread_state, "session", None)
+
+    @active_session.setter
+    def active_session(self, session: InferenceSession | None) -> None:
+        self._thread_state.session = session
 
     def __len__(self) -> int:
         return len(self.manager)

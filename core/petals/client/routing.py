@@ -11,7 +11,15 @@ the ONLINE spans (minus banned, blocked or not-allowed peers) and chooses chains
 * ``max_throughput`` (forward/backward): left to right, a random span containing the current block,
   weighted by its throughput and how many blocks it covers from there.
 
-Failing servers are banned for ``ban_timeout`` seconds, doubled after every consecutive failure.
+One retry policy serves inference, forward and backward (``handle_failure``): a failure is retried
+elsewhere only when a retry can fix it, at most ``max_retries`` times, after a backoff with jitter;
+the server is banned (``ban_timeout`` seconds, doubled after every consecutive failure) only when the
+failure is its own. A request the server refused as malformed (``bad_request``), or an error of the
+client itself, is raised at once and bans nobody.
+
+Inference steps wait for a server as long as its own observed latency says they should
+(``StepDeadlines``), so a hung server is routed around in seconds rather than after
+``request_timeout``.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
 from petals.client.network import ClientNetwork
 from petals.client.rpc import ping
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
+from petals.wire import error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,59 @@ MAX_RTT = 5.0
 
 class MissingBlocksError(RuntimeError):
     """Some blocks have no usable server in the swarm."""
+
+
+class RequestRefused(ValueError):
+    """A server refused the request itself (``bad_request``): sending it elsewhere cannot help."""
+
+
+class ServerMisbehaved(RuntimeError):
+    """A server answered something that does not fit the request (wrong shapes, tensor counts)."""
+
+
+# failures that are the server's (or the network's), and that another server may not have
+SERVER_FAULTS = (TimeoutError, OSError, EOFError, StopAsyncIteration, P2PDaemonError, ServerMisbehaved)
+
+
+def judge_failure(error: BaseException) -> tuple[bool, bool]:
+    """(retry elsewhere?, ban the server?) for a failed request; see the module docstring."""
+    if isinstance(error, P2PHandlerError):
+        kind = error_kind(str(error))
+        if kind == "bad_request":
+            return False, False
+        return True, kind != "not_served"  # untagged: a stock Petals server, judged as before
+    if isinstance(error, SERVER_FAULTS):
+        return True, True
+    return False, False
+
+
+class StepDeadlines:
+    """How long to wait for a server's inference step: ``factor`` times what its steps have taken so
+    far (scaled up for steps with more tokens than usual), never under ``floor`` nor over ``ceiling``.
+
+    A server not timed yet gets the ``ceiling`` (``request_timeout``), so a slow first prefill is
+    never taken for a hang.
+    """
+
+    def __init__(self, floor: float, ceiling: float, factor: float = 10.0, smoothing: float = 0.5) -> None:
+        self.floor, self.ceiling, self.factor, self.smoothing = floor, ceiling, factor, smoothing
+        self._seconds: dict[PeerID, float] = {}
+        self._tokens: dict[PeerID, float] = {}
+
+    def deadline(self, peer: PeerID, tokens: int) -> float:
+        seconds = self._seconds.get(peer)
+        if seconds is None:
+            return self.ceiling
+        expected = seconds * max(1.0, tokens / self._tokens[peer])
+        return min(max(self.factor * expected, self.floor), self.ceiling)
+
+    def observe(self, peer: PeerID, tokens: int, seconds: float) -> None:
+        if peer not in self._seconds:
+            self._seconds[peer], self._tokens[peer] = seconds, float(tokens)
+            return
+        keep = 1 - self.smoothing
+        self._seconds[peer] = keep * self._seconds[peer] + self.smoothing * seconds
+        self._tokens[peer] = keep * self._tokens[peer] + self.smoothing * tokens
 
 
 @dataclass
@@ -63,6 +125,7 @@ class RemoteSequenceManager:
         self.pings: dict[PeerID, float] = {}
         self.bans: dict[PeerID, _Ban] = {}
         self.last_update = -float("inf")
+        self.step_deadlines = StepDeadlines(config.min_step_timeout, config.request_timeout)
 
     def __len__(self) -> int:
         return len(self.block_uids)
@@ -125,14 +188,31 @@ class RemoteSequenceManager:
             del self.bans[peer]
 
     def retry_delay(self, attempt: int) -> float:
-        """0 for the first retry, then ``min_backoff · 2^(attempt-1)`` capped at ``max_backoff``."""
+        """0 for the first retry, then ``min_backoff · 2^(attempt-1)`` capped at ``max_backoff``, with
+        jitter (50-100% of it) so that clients failed by the same server do not retry in lockstep."""
         if attempt == 0:
             return 0.0
-        return min(self.config.min_backoff * 2 ** (attempt - 1), self.config.max_backoff)
+        delay = min(self.config.min_backoff * 2 ** (attempt - 1), self.config.max_backoff)
+        return delay * random.uniform(0.5, 1.0)
 
     def check_retries(self, attempt: int, error: BaseException) -> None:
         if self.config.max_retries is not None and attempt >= self.config.max_retries:
             raise error
+
+    async def handle_failure(self, error: BaseException, peer: PeerID | None, attempt: int) -> None:
+        """Raise ``error`` if retrying cannot fix it or retries are used up; else ban ``peer`` if the
+        failure was its own, and wait the backoff before the caller's next attempt."""
+        retry, ban = judge_failure(error)
+        if not retry:
+            if isinstance(error, P2PHandlerError):
+                raise RequestRefused(f"a server refused the request: {error}") from error
+            raise error
+        self.check_retries(attempt, error)
+        if ban:
+            self.on_request_failure(peer)
+        else:
+            self.last_update = -float("inf")  # e.g. the server moved: read the DHT again
+        await asyncio.sleep(self.retry_delay(attempt))
 
     # ---- routes --------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from petals.client.routing import MissingBlocksError, RemoteSequenceManager
+from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
 from petals.client.rpc import call_chain
 from petals.data_structures import RemoteSpanInfo
 from petals.wire import pack_args_kwargs
@@ -43,10 +43,9 @@ async def _with_retries(manager: RemoteSequenceManager, attempt_call):
             raise
         except Exception as error:
             span = getattr(error, "span", None)
-            manager.check_retries(attempt, error)
+            cause = error.__cause__ if isinstance(error, _SpanError) else error
+            await manager.handle_failure(cause, span.peer_id if span is not None else None, attempt)
             logger.warning("Request failed (%s: %s); retrying on another route", type(error).__name__, error)
-            manager.on_request_failure(span.peer_id if span is not None else None)
-            await asyncio.sleep(manager.retry_delay(attempt))
             attempt += 1
 
 
@@ -83,9 +82,8 @@ async def sequential_forward(
             except Exception as error:
                 raise _SpanError(span, error) from error
             if output.shape != hidden.shape:
-                raise _SpanError(
-                    span, ValueError(f"output shape {list(output.shape)} != {list(hidden.shape)}")
-                )
+                misbehaved = ServerMisbehaved(f"output shape {list(output.shape)} != {list(hidden.shape)}")
+                raise _SpanError(span, misbehaved) from misbehaved
             return span, output.to(hidden.dtype)
 
         span, output = await _with_retries(manager, attempt)
@@ -103,6 +101,7 @@ async def sequential_backward(
     """Gradients w.r.t. the chain's inputs and (if given) the deep prompts ``[blocks, batch, pre, hidden]``."""
     grad_prompts = torch.zeros_like(prompts) if prompts is not None else None
     stack = list(done)
+    failures = 0
     while stack:
         span, inputs = stack.pop()
         tensors, structure = pack_args_kwargs(inputs, grad_output, _span_prompts(prompts, span))
@@ -117,10 +116,11 @@ async def sequential_backward(
                 manager.config.request_timeout,
             )
         except Exception as error:
+            await manager.handle_failure(error, span.peer_id, failures)
+            failures += 1
             logger.warning(
                 "Backward on %s failed (%s); recomputing its blocks on another route", span.peer_id, error
             )
-            manager.on_request_failure(span.peer_id)
             _, redone = await sequential_forward(manager, inputs, prompts, span.start, span.end)
             stack.extend(redone)
             continue

@@ -32,6 +32,7 @@ from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
     WIRE_DTYPES,
+    NotServedError,
     WireError,
     cut,
     deserialize_tensors,
@@ -42,6 +43,7 @@ from petals.wire import (
     response_parts,
     serialize_tensor,
     shown,
+    tag_error,
     unpack_args,
     write_metadata,
 )
@@ -428,7 +430,7 @@ class TransformerConnectionHandler(ServicerBase):
             raise WireError("the request names no block uids")
         missing = [uid for uid in uids if uid not in self.blocks.backends]
         if missing:
-            raise WireError(
+            raise NotServedError(
                 f"this server does not serve {', '.join(missing[:3])}; it serves "
                 f"{self.dht_prefix}.{self.blocks.start} to {self.dht_prefix}.{self.blocks.end - 1}"
             )
@@ -506,14 +508,27 @@ class TransformerConnectionHandler(ServicerBase):
 
     @asynccontextmanager
     async def _reporting(self, method: str, context: P2PContext) -> AsyncIterator[None]:
+        """Log each failure once, and send it to the peer tagged with its kind (``wire.ERROR_KINDS``)."""
         try:
             yield
         except REFUSALS as error:
             logger.info("%s from %s refused: %s", method, _short(context.remote_id), cut(str(error)))
-            raise
-        except Exception:
+            raise Refusal(tag_error(_kind(error), cut(str(error), 2000))) from None
+        except Exception as error:
             logger.exception("%s from %s failed", method, _short(context.remote_id))
-            raise
+            raise Refusal(tag_error("internal", cut(str(error), 2000))) from None
+
+
+class Refusal(Exception):
+    """What the peer receives: the error text with its kind in front."""
+
+
+def _kind(error: BaseException) -> str:
+    if isinstance(error, AllocationFailed):
+        return "cache_full"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    return error.kind
 
 
 def max_request_bytes(max_batch_size: int, hidden_size: int, num_blocks: int) -> int:
@@ -524,12 +539,13 @@ def max_request_bytes(max_batch_size: int, hidden_size: int, num_blocks: int) ->
 
 
 REFUSALS = (WireError, AllocationFailed, TimeoutError)
+QUIET = (*REFUSALS, Refusal)
 
 
 def _quiet_refusals(record: logging.LogRecord) -> bool:
     """hivemind logs every exception of a stream handler as a WARN traceback; refusals are a peer's
     mistake, already logged once (by ``_reporting`` or ``limit_message_size``), so drop those records."""
-    return not (record.exc_info and isinstance(record.exc_info[1], REFUSALS))
+    return not (record.exc_info and isinstance(record.exc_info[1], QUIET))
 
 
 def _short(peer_id: PeerID) -> str:

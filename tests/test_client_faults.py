@@ -1,0 +1,162 @@
+"""Hung and half-dead servers are routed around within seconds, one model serves many threads, and
+nobody is banned for the client's own mistakes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from transformers import AutoModelForCausalLM, StoppingCriteria
+
+import petals
+from conftest import LOOPBACK_CLIENT, running_swarm
+from petals.client.routing import RequestRefused, StepDeadlines
+
+NEW_TOKENS = 16
+FAULT_AFTER = 6
+RECOVERY_LIMIT = 10.0  # seconds from the fault to the next token
+
+
+def prompt(seed: int = 7, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 1000, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+GREEDY = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+class FaultAfter(StoppingCriteria):
+    """After ``FAULT_AFTER`` new tokens, applies ``fault`` to the server serving blocks 2:4 and
+    records how long the next token took."""
+
+    def __init__(self, model, servers, prompt_length: int, fault) -> None:
+        self.model, self.servers, self.prompt_length, self.fault = model, servers, prompt_length, fault
+        self.faulted = self.fault_time = self.recovery = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_length
+        if self.faulted is None and generated == FAULT_AFTER:
+            route = self.model.remote_blocks.active_session.route
+            (peer_id,) = {str(span.peer_id) for span in route if span.start == 2}
+            self.faulted = next(server for server in self.servers if server.peer_id == peer_id)
+            self.fault(self.faulted)
+            self.fault_time = time.monotonic()
+        elif self.faulted is not None and self.recovery is None:
+            self.recovery = time.monotonic() - self.fault_time
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def stop_python(server) -> None:
+    server.process.send_signal(signal.SIGSTOP)
+
+
+def kill_python_only(server) -> None:
+    """kill -9 of the server's Python process; its p2p daemon lives on (and is reaped by the test)."""
+    server.orphans = psutil.Process(server.pid).children(recursive=True)
+    server.process.kill()
+    server.process.wait()
+
+
+@pytest.mark.parametrize("fault", [stop_python, kill_python_only], ids=["SIGSTOP", "kill-9-python"])
+def test_a_hung_or_half_dead_server_is_routed_around_quickly(tiny_model_path, fault):
+    path = tiny_model_path("llama")
+    ids = prompt()
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = local.generate(ids, **GREEDY)
+    with running_swarm(path, "0:2", "2:4", "2:4") as (dht, servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        criteria = FaultAfter(model, servers, ids.shape[1], fault)
+        try:
+            output = model.generate(ids, stopping_criteria=[criteria], **GREEDY)
+        finally:
+            model.close()
+            if criteria.faulted is not None:
+                if criteria.faulted.process.poll() is None:
+                    criteria.faulted.process.send_signal(signal.SIGCONT)
+                for orphan in getattr(criteria.faulted, "orphans", []):
+                    if orphan.is_running():
+                        orphan.kill()
+        assert criteria.faulted is not None, "the fault was never applied"
+        assert torch.equal(output, expected)
+        assert criteria.recovery < RECOVERY_LIMIT, f"next token after {criteria.recovery:.1f} s"
+
+
+def test_deadlines_follow_observed_latency_and_spare_a_slow_first_prefill():
+    deadlines = StepDeadlines(floor=2.0, ceiling=180.0, factor=10.0)
+    peer = PeerID(b"\x00" * 34)
+    assert deadlines.deadline(peer, 512) == 180.0  # never timed: a long first prefill may take its time
+    for _ in range(5):
+        deadlines.observe(peer, tokens=1, seconds=0.5)
+    assert deadlines.deadline(peer, 1) == pytest.approx(5.0)
+    assert deadlines.deadline(peer, 8) == pytest.approx(40.0)  # 8x the tokens of its usual steps
+    assert deadlines.deadline(peer, 10_000) == 180.0
+    fast = PeerID(b"\x01" * 34)
+    deadlines.observe(fast, tokens=1, seconds=0.001)
+    assert deadlines.deadline(fast, 1) == 2.0  # the floor
+
+
+@pytest.fixture(scope="module")
+def shared_model(tiny_model_path):
+    path = tiny_model_path("llama")
+    with running_swarm(path, "0:2", "2:4", server_args=("--inference_max_length", "64")) as (dht, servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        yield model, servers
+        model.close()
+
+
+def test_one_model_serves_many_threads(shared_model):
+    model, _ = shared_model
+    prompts = [prompt(seed, length=3 + seed % 5) for seed in range(16)]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    solo = [model.generate(ids, **kwargs) for ids in prompts]
+    results: list[torch.Tensor | BaseException | None] = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def generate(index: int) -> None:
+        start.wait()
+        try:
+            results[index] = model.generate(prompts[index], **kwargs)
+        except BaseException as error:  # reported below, with the others
+            results[index] = error
+
+    threads = [threading.Thread(target=generate, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    errors = [result for result in results if not isinstance(result, torch.Tensor)]
+    assert not errors, errors
+    assert all(torch.equal(result, expected) for result, expected in zip(results, solo, strict=True))
+    assert not model.remote_blocks.manager.bans
+
+
+def test_a_refused_request_fails_fast_and_bans_nobody(shared_model):
+    model, servers = shared_model
+    started = time.monotonic()
+    with pytest.raises(RequestRefused, match=r"\[bad_request\].*inference_max_length"):
+        with model.inference_session(max_length=100) as session:
+            session.step(torch.randn(1, 2, model.config.hidden_size))
+    assert time.monotonic() - started < 5
+    assert not model.remote_blocks.manager.bans
+    assert all(server.process.poll() is None for server in servers)
+
+
+def test_a_cancelled_call_bans_nobody(shared_model):
+    model, _ = shared_model
+    manager, network = model.remote_blocks.manager, model.remote_blocks.network
+    hidden_size = model.config.hidden_size
+    with model.inference_session(max_length=16) as session:
+        session.step(torch.randn(1, 2, hidden_size))
+        with pytest.raises(TimeoutError):  # the caller gives up (as on Ctrl-C): the step is cancelled
+            network.run(session._step(torch.randn(1, 1, hidden_size), None, None), timeout=0.001)
+    assert not manager.bans
+    with model.inference_session(max_length=4) as session:
+        assert session.step(torch.randn(1, 2, hidden_size)).shape == (1, 2, hidden_size)
