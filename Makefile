@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench reliability clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(INSTALLED)
 # the benchmark suite: ratios vs plain transformers into benchmarks/results (JSON, summary.md, chart.png)
 bench: $(INSTALLED)
 	$(BIN)/python -m benchmarks
+
+# attacks and faults against a real local swarm (seeded, bounded): python -m benchmarks.reliability
+reliability: $(INSTALLED)
+	$(BIN)/python -m benchmarks.reliability
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
