@@ -130,7 +130,7 @@ class ServerProcess(SwarmProcess):
     ready_seconds: float
 
 
-def start_dht(*args: str, timeout: float = 30) -> DhtProcess:
+def start_dht(*args: str, timeout: float = 90) -> DhtProcess:
     """A bootstrap peer; ``.initial_peers`` holds the multiaddrs it printed."""
     process = DhtProcess("petals dht", ["petals.cli.run_dht", "--loopback", *args])
     try:
