@@ -147,7 +147,7 @@ def start_server(
     model: str | Path,
     initial_peers: Sequence[str],
     *args: str,
-    timeout: float = 60,
+    timeout: float = 120,
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
