@@ -185,7 +185,7 @@ class ServingSpan:
         self.sessions = SessionRegistry()
         self.handler: TransformerConnectionHandler | None = None
         self._announcer: asyncio.Task | None = None
-        self._announced_until: float | None = None  # DHT time when our last stored records expire
+        self._announced_until: float | None = None  # DHT time when our last JOINING/ONLINE records expire
         next_uid = f"{server.dht_prefix}.{blocks.stop}" if blocks.stop < server.total_blocks else None
         self.pings = NextPings(p2p, next_uid)
 
@@ -370,9 +370,9 @@ class ServingSpan:
         next_pings = await self._next_pings() if state == ServerState.ONLINE else None
         info = self.server.server_info(state, self.blocks, self.budget, self.weight_bytes, next_pings)
         stored = await declare_active_modules(self.node, self.uids, info, expiration)
-        if any(stored.values()):
-            self._announced_until = expiration
         if state != ServerState.OFFLINE:
+            if any(stored.values()):
+                self._announced_until = expiration
             await declare_model(self.node, self.server.dht_prefix, self.server.model_info(), expiration)
         return stored
 
