@@ -91,9 +91,8 @@ class DaemonGone(ConnectionError):
     """p2pd, the daemon that is this peer's connection to the network, has exited."""
 
 
-DAEMON_EXIT_SECONDS = (
-    0.5  # how long a p2pd whose sockets fail may take to exit, to tell its death from a glitch
-)
+# how long a p2pd whose sockets fail may take to exit, to tell its death from a glitch
+DAEMON_EXIT_SECONDS = 0.5
 # set while create_p2p runs, so that only the p2pd it starts goes into a session of its own
 _spawning_daemon: contextvars.ContextVar[bool] = contextvars.ContextVar("spawning_daemon", default=False)
 # every p2pd started here, for kill_daemons(); an exited one is dropped with its Process object
@@ -103,7 +102,7 @@ _daemons: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
 def _spawn_daemons_apart() -> None:
     """Make ``P2P.create`` start p2pd with ``start_new_session=True`` (see the module docstring).
 
-    hivemind 1.2 offers no option for it: it calls ``asyncio.subprocess.create_subprocess_exec``
+    hivemind 1.1 offers no option for it: it calls ``asyncio.subprocess.create_subprocess_exec``
     itself, so this wraps that function once, for the calls made inside ``create_p2p`` only.
     """
     original = asyncio.subprocess.create_subprocess_exec
@@ -171,13 +170,14 @@ async def leave_network(p2p: P2P, node: DHTNode | None, timeout: float = 1.0) ->
 
 
 def kill_daemons() -> None:
-    """SIGKILL every p2pd this process started that still runs (before ``os._exit``, which would orphan them)."""
+    """SIGKILL every p2pd this process started that still runs: before ``os._exit``, as a hung one would stay.
+
+    Safe from any thread (plain ``os.kill``, unlike asyncio's ``Process.kill``).
+    """
     for process in list(_daemons):
         if process.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def network_options_from_cli(

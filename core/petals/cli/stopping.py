@@ -49,7 +49,10 @@ class StopSignals:
             exit_now(128 + signum, f"Received {received.name} again: exiting at once")
         self.received = received
         logger.info("Received %s: shutting down (send it again to exit at once)", received.name)
-        self._loop.call_soon_threadsafe(self.stop.set)
+        try:
+            self._loop.call_soon_threadsafe(self.stop.set)
+        except RuntimeError:  # the loop is closed: everything is stopped already
+            exit_without_teardown(0)
         backstop = threading.Timer(self.grace, self._give_up, args=(time.monotonic(),))
         backstop.daemon = True
         backstop.start()
