@@ -7,18 +7,36 @@ so a local swarm (tests, demos) sends nothing beyond the machine.
 
 hivemind (and with it torch) is imported only when a peer is created, so ``petals serve --help``
 and option errors come back at once.
+
+p2pd runs in a session of its own, so that a signal to our process group (Ctrl-C in a terminal,
+``timeout``, ``kill -- -PGID``) reaches only the Python side, which can then still announce OFFLINE
+through the daemon before stopping it. p2pd exits by itself when its Python process dies. Every
+call to p2pd is awaited only while it lives (``while_daemon_lives``): hivemind's control client
+waits for p2pd's reply forever, even after p2pd has exited.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import contextlib
+import contextvars
+import logging
+import os
+import signal
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 if TYPE_CHECKING:
+    from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PUBLIC_INITIAL_PEERS = (
     "/dns/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
@@ -53,18 +71,116 @@ class NetworkOptions:
         from petals.bounded_msgpack import bound_msgpack_decoding
 
         bound_msgpack_decoding()  # before the first byte arrives: the DHT decodes with hivemind's serializer
-        return await P2P.create(
-            initial_peers=list(self.initial_peers),
-            host_maddrs=list(self.host_maddrs),
-            announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
-            identity_path=self.identity_path,
-            nat_port_map=self.nat_port_map,
-            auto_nat=self.auto_nat,
-            use_relay=self.use_relay,
-            use_auto_relay=self.use_auto_relay,
-            startup_timeout=self.startup_timeout,
-            **self.extra,
-        )
+        _spawn_daemons_apart()
+        spawning = _spawning_daemon.set(True)
+        try:
+            return await P2P.create(
+                initial_peers=list(self.initial_peers),
+                host_maddrs=list(self.host_maddrs),
+                announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
+                identity_path=self.identity_path,
+                nat_port_map=self.nat_port_map,
+                auto_nat=self.auto_nat,
+                use_relay=self.use_relay,
+                use_auto_relay=self.use_auto_relay,
+                startup_timeout=self.startup_timeout,
+                **self.extra,
+            )
+        finally:
+            _spawning_daemon.reset(spawning)
+
+
+class DaemonGone(ConnectionError):
+    """p2pd, the daemon that is this peer's connection to the network, has exited."""
+
+
+# how long a p2pd whose sockets fail may take to exit, to tell its death from a glitch
+DAEMON_EXIT_SECONDS = 0.5
+# set while create_p2p runs, so that only the p2pd it starts goes into a session of its own
+_spawning_daemon: contextvars.ContextVar[bool] = contextvars.ContextVar("spawning_daemon", default=False)
+# every p2pd started here, for kill_daemons(); an exited one is dropped with its Process object
+_daemons: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
+
+
+def _spawn_daemons_apart() -> None:
+    """Make ``P2P.create`` start p2pd with ``start_new_session=True`` (see the module docstring).
+
+    hivemind 1.1 offers no option for it: it calls ``asyncio.subprocess.create_subprocess_exec``
+    itself, so this wraps that function once, for the calls made inside ``create_p2p`` only.
+    """
+    original = asyncio.subprocess.create_subprocess_exec
+    if getattr(original, "petals_spawns_daemons_apart", False):
+        return
+
+    async def create_subprocess_exec(program, *args, **kwargs):
+        if not _spawning_daemon.get() or Path(str(program)).name != "p2pd":
+            return await original(program, *args, **kwargs)
+        process = await original(program, *args, start_new_session=True, **kwargs)
+        _daemons.add(process)
+        return process
+
+    create_subprocess_exec.petals_spawns_daemons_apart = True
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+def daemon_alive(p2p: P2P) -> bool:
+    """False once the p2pd that ``p2p`` started has exited (True for a daemon it did not start)."""
+    child = p2p._child  # hivemind keeps the daemon's asyncio Process here
+    return child is None or child.returncode is None
+
+
+async def while_daemon_lives(p2p: P2P, awaitable: Awaitable[T], timeout: float) -> T:
+    """Await ``awaitable`` for at most ``timeout`` s (``TimeoutError``), or until p2pd exits (``DaemonGone``)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    exited = asyncio.ensure_future(p2p._child.wait()) if p2p._child is not None else loop.create_future()
+    try:
+        await asyncio.wait({task, exited}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            try:
+                return task.result()
+            except OSError as error:  # a socket to p2pd failed: say so if p2pd is exiting
+                await asyncio.wait({exited}, timeout=DAEMON_EXIT_SECONDS)
+                if exited.done():
+                    raise DaemonGone("the network daemon (p2pd) has exited") from error
+                raise
+        if exited.done():
+            raise DaemonGone("the network daemon (p2pd) has exited")
+        raise TimeoutError(f"no answer within {timeout:.1f} s")
+    finally:
+        task.cancel()
+        exited.cancel()
+
+
+async def leave_network(p2p: P2P, node: DHTNode | None, timeout: float = 1.0) -> None:
+    """Stop the DHT node and p2pd within about ``timeout`` s, killing p2pd if it does not stop in time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    if not daemon_alive(p2p):
+        logger.info("The network daemon (p2pd) had already exited")
+    elif node is not None:
+        try:  # unregisters the DHT's handlers from p2pd
+            await while_daemon_lives(p2p, node.shutdown(), (deadline - loop.time()) / 2)
+        except Exception as error:  # p2pd is stopped below anyway
+            logger.debug("DHT node shutdown skipped: %s", error)
+    try:
+        await asyncio.wait_for(p2p.shutdown(), max(deadline - loop.time(), 0.1))
+    except TimeoutError:
+        logger.warning("The network daemon (p2pd) did not stop within %.1f s; killed it", timeout)
+        with contextlib.suppress(ProcessLookupError):
+            p2p._child.kill()
+        await asyncio.wait_for(p2p._child.wait(), 1)
+
+
+def kill_daemons() -> None:
+    """SIGKILL every p2pd this process started that still runs: before ``os._exit``, as a hung one would stay.
+
+    Safe from any thread (plain ``os.kill``, unlike asyncio's ``Process.kill``).
+    """
+    for process in list(_daemons):
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
 
 
 def network_options_from_cli(

@@ -1,7 +1,7 @@
 """``petals dht``: a bootstrap peer (also ``python -m petals.cli.run_dht``).
 
 Prints the multiaddrs others join with on stdout, one per line (ready for ``--initial_peers``),
-then keeps the DHT running until SIGINT/SIGTERM and exits 0.
+then keeps the DHT running until SIGINT/SIGTERM and exits 0 (see ``petals.cli.stopping``).
 """
 
 from __future__ import annotations
@@ -9,13 +9,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import signal
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from petals.cli.run_server import configure_logging, resume_gc
-from petals.networking import network_cli_options, network_options_from_cli, option, split_words
+from petals.cli.stopping import StopSignals, exit_without_teardown
+from petals.networking import (
+    leave_network,
+    network_cli_options,
+    network_options_from_cli,
+    option,
+    split_words,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +43,7 @@ def dht_command(refresh_period: float, **options: Any) -> None:
         gc.enable()
 
 
-def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
+def run_dht(refresh_period: float, options: dict[str, Any]) -> NoReturn:
     from petals.dht import create_node
 
     network = network_options_from_cli(
@@ -50,12 +56,11 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+        StopSignals(stop).install()
         p2p = await network.create_p2p()
-        node = await create_node(p2p, network.initial_peers)
+        node = None
         try:
+            node = await create_node(p2p, network.initial_peers)
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))
             click.get_text_stream("stdout").flush()
@@ -72,11 +77,11 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
                         "%d peers connected, %d DHT records stored", len(peers), len(node.protocol.storage)
                     )
         finally:
-            await node.shutdown()
-            await p2p.shutdown()
+            await leave_network(p2p, node)
             logger.info("DHT peer stopped")
 
     asyncio.run(main())
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

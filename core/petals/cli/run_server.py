@@ -19,10 +19,9 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -195,7 +194,7 @@ def serve_command(model: str, **options: Any) -> None:
     try:
         settings = settings_from_cli(model, options)
         if settings is not None:
-            sys.exit(run_server(settings))
+            run_server(settings)
     finally:
         gc.enable()
 
@@ -363,16 +362,15 @@ def resolve_dtype(name: str, config, device):
     return dtype
 
 
-def run_server(settings) -> int:
-    """Run until SIGINT/SIGTERM; returns the exit code."""
+def run_server(settings) -> NoReturn:
+    """Run until SIGINT/SIGTERM (see ``petals.cli.stopping``), then exit 0."""
+    from petals.cli.stopping import StopSignals, exit_without_teardown
     from petals.server.server import Server
 
     server = Server(settings)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, server.stop.set)
+        StopSignals(server.stop).install()
         collecting = asyncio.create_task(collect_startup_garbage(server.online))
         try:
             await server.run()
@@ -380,7 +378,7 @@ def run_server(settings) -> int:
             collecting.cancel()
 
     asyncio.run(main())
-    return 0
+    exit_without_teardown(0)
 
 
 async def collect_startup_garbage(online: asyncio.Event) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 import petals
 from petals.auto import AutoDistributedConfig
@@ -30,7 +31,7 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.loading import Checkpoint, load_block
-from petals.networking import NetworkOptions
+from petals.networking import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
@@ -43,6 +44,9 @@ from petals.server.throughput import ThroughputInfo
 logger = logging.getLogger(__name__)
 
 READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.testing.swarm waits for it
+# leaving a span (stop or rebalancing) takes at most this long, however the network behaves; then
+# stopping p2pd takes up to 1 s more (``leave_network``): a stop signal is done with in < 5 s
+LEAVE_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -90,14 +94,22 @@ class Server:
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
 
     async def run(self) -> None:
-        """Serve until ``stop`` is set, then leave the swarm cleanly."""
+        """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
         started = time.perf_counter()
         p2p = await self.settings.network.create_p2p()
-        node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
-        maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
-        logger.info(
-            "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
-        )
+        node = None
+        try:
+            node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
+            maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
+            logger.info(
+                "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
+            )
+            await self._serve(p2p, node)
+        finally:
+            await leave_network(p2p, node)
+            logger.info("Left the swarm")
+
+    async def _serve(self, p2p: P2P, node: DHTNode) -> None:
         compute = ComputeQueue()
         compute.start()
         try:
@@ -112,9 +124,6 @@ class Server:
                     await span.leave()
         finally:
             compute.shutdown()
-            await node.shutdown()
-            await p2p.shutdown()
-            logger.info("Left the swarm")
 
     async def _until_stopped(self, coroutine) -> bool:
         """Run ``coroutine`` unless the server is stopped first (then cancel it and return False)."""
@@ -178,6 +187,7 @@ class ServingSpan:
         self.sessions = SessionRegistry()
         self.handler: TransformerConnectionHandler | None = None
         self._announcer: asyncio.Task | None = None
+        self._announced_until: float | None = None  # DHT time when our last JOINING/ONLINE records expire
         next_uid = f"{server.dht_prefix}.{blocks.stop}" if blocks.stop < server.total_blocks else None
         self.pings = NextPings(p2p, next_uid)
 
@@ -319,26 +329,54 @@ class ServingSpan:
         )
 
     async def leave(self) -> None:
-        """Announce OFFLINE, stop taking requests, end open sessions."""
+        """Stop taking requests, end open sessions, announce OFFLINE: within ~``LEAVE_SECONDS``."""
         self.sessions.close_all()
-        if self.handler is not None:
-            await self.handler.remove_p2p_handlers(self.p2p)
         if self._announcer is not None:
             self._announcer.cancel()
-        try:
-            await asyncio.wait_for(self._announce(ServerState.OFFLINE), timeout=5)
-        except Exception as error:  # leaving must not fail; the records expire anyway
-            logger.warning("Could not announce OFFLINE: %s", error)
-        logger.info("Announced OFFLINE for blocks %d:%d", *_bounds(self.blocks))
+        if self.handler is not None and daemon_alive(self.p2p):
+            try:
+                await while_daemon_lives(self.p2p, self.handler.remove_p2p_handlers(self.p2p), 0.5)
+            except Exception as error:  # leaving must not fail; the OFFLINE step below tells what happened
+                logger.debug("Could not unregister the handlers: %s", error)
+        await self._announce_offline(LEAVE_SECONDS - 0.5)
 
-    async def _announce(self, state: ServerState) -> None:
+    async def _announce_offline(self, timeout: float) -> None:
+        """Announce OFFLINE if the network is reachable; else say truthfully that the records just expire."""
+        blocks = f"blocks {self.blocks.start}:{self.blocks.stop}"
+        try:
+            if not daemon_alive(self.p2p):
+                raise DaemonGone()
+            stored = await while_daemon_lives(self.p2p, self._announce(ServerState.OFFLINE), timeout)
+        except DaemonGone:
+            reason = "the network daemon (p2pd) is gone"
+        except TimeoutError:
+            reason = f"no answer from the DHT within {timeout:.1f} s"
+        except Exception as error:  # leaving must not fail; the records expire anyway
+            reason = str(error) or type(error).__name__
+        else:
+            if all(stored.values()):
+                logger.info("Announced OFFLINE for %s", blocks)
+                return
+            reason = f"the DHT did not store {sum(not ok for ok in stored.values())} of {len(stored)} records"
+        logger.warning("Could not announce OFFLINE for %s: %s; %s", blocks, reason, self._records_expire())
+
+    def _records_expire(self) -> str:
+        if self._announced_until is None:
+            return "nothing was announced"
+        return f"the records expire in {max(0, self._announced_until - get_dht_time()):.0f} s"
+
+    async def _announce(self, state: ServerState) -> dict[str, bool]:
+        """Store this span's records in ``state``; returns which stores succeeded."""
         self.state = state
         expiration = expiration_from_now(self.server.expiration)
         next_pings = await self._next_pings() if state == ServerState.ONLINE else None
         info = self.server.server_info(state, self.blocks, self.budget, self.weight_bytes, next_pings)
-        await declare_active_modules(self.node, self.uids, info, expiration)
+        stored = await declare_active_modules(self.node, self.uids, info, expiration)
         if state != ServerState.OFFLINE:
+            if any(stored.values()):
+                self._announced_until = expiration
             await declare_model(self.node, self.server.dht_prefix, self.server.model_info(), expiration)
+        return stored
 
     async def _next_pings(self) -> dict[str, float] | None:
         try:

@@ -2,7 +2,8 @@
 
 Every process runs with ``--loopback`` (listen on 127.0.0.1, no NAT port mapping, no AutoNAT, no
 relays), so nothing leaves the machine. Processes are stopped through their own handles (SIGINT,
-then SIGKILL after a timeout), never by matching names.
+then SIGKILL after a timeout), never by matching names. ``own_process_group=True`` starts one in a
+new session, as its own process group (pgid == pid), for tests that signal the whole group.
 
     with start_dht() as dht, start_server(model_dir, dht.initial_peers, "--block_indices", "0:2") as server:
         ...
@@ -41,7 +42,13 @@ class SwarmProcessError(RuntimeError):
 class SwarmProcess:
     """A running ``petals`` subprocess whose stderr (the log) is collected line by line."""
 
-    def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        own_process_group: bool = False,
+    ) -> None:
         self.name = name
         self.started_at = time.perf_counter()
         self.process = subprocess.Popen(
@@ -50,7 +57,9 @@ class SwarmProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=own_process_group,
         )
+        self.own_process_group = own_process_group
         self.stdout_lines: list[str] = []
         self.log_lines: list[str] = []
         self._changed = threading.Condition()
@@ -70,6 +79,12 @@ class SwarmProcess:
     @property
     def log(self) -> str:
         return "".join(self.log_lines)
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the process group this process leads (``own_process_group=True`` only)."""
+        if not self.own_process_group or os.getpgid(self.pid) != self.pid:
+            raise SwarmProcessError(f"{self.name} does not lead a process group of its own")
+        os.killpg(self.pid, signum)
 
     def _collect(self, stream, lines: list[str]) -> None:
         for line in stream:
@@ -124,22 +139,31 @@ class SwarmProcess:
 class DhtProcess(SwarmProcess):
     initial_peers: list[str]
 
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Wait until it has printed its multiaddrs (then in ``.initial_peers``)."""
+        self.wait_for(lambda: self.stdout_lines, timeout, "printed multiaddrs")
+        time.sleep(0.05)  # let the remaining lines of the same write arrive
+        self.initial_peers = [line.strip() for line in self.stdout_lines if line.startswith("/")]
+
 
 class ServerProcess(SwarmProcess):
     peer_id: str
     ready_seconds: float
 
 
-def start_dht(*args: str, timeout: float = 90) -> DhtProcess:
-    """A bootstrap peer; ``.initial_peers`` holds the multiaddrs it printed."""
-    process = DhtProcess("petals dht", ["petals.cli.run_dht", "--loopback", *args])
-    try:
-        process.wait_for(lambda: process.stdout_lines, timeout, "printed multiaddrs")
-        time.sleep(0.05)  # let the remaining lines of the same write arrive
-        process.initial_peers = [line.strip() for line in process.stdout_lines if line.startswith("/")]
-    except BaseException:
-        process.stop()
-        raise
+def start_dht(
+    *args: str, timeout: float = 90, wait_ready: bool = True, own_process_group: bool = False
+) -> DhtProcess:
+    """A bootstrap peer; ``.initial_peers`` holds the multiaddrs it printed (once ready)."""
+    process = DhtProcess(
+        "petals dht", ["petals.cli.run_dht", "--loopback", *args], own_process_group=own_process_group
+    )
+    if wait_ready:
+        try:
+            process.wait_ready(timeout)
+        except BaseException:
+            process.stop()
+            raise
     return process
 
 
@@ -150,11 +174,13 @@ def start_server(
     timeout: float = 120,
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
+    own_process_group: bool = False,
 ) -> ServerProcess:
     """``petals serve MODEL --loopback --initial_peers ...``, by default waiting until it is ONLINE."""
     peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
     command = ["petals.cli.run_server", str(model), "--loopback", *peers, *args]
-    process = ServerProcess(f"petals serve {Path(str(model)).name} {' '.join(args)}", command, env)
+    name = f"petals serve {Path(str(model)).name} {' '.join(args)}"
+    process = ServerProcess(name, command, env, own_process_group)
     try:
         joined = process.wait_for_log("Joined the swarm", timeout)
         process.peer_id = PEER_ID_PATTERN.search(joined).group(1)
