@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids, parse_uid_chain
+from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
@@ -290,6 +291,7 @@ class TransformerConnectionHandler(ServicerBase):
     async def _inference_step(
         self, session: InferenceSession, args: InferenceArgs, metadata: dict
     ) -> runtime_pb2.ExpertResponse | None:
+        started = time.perf_counter()
         step_id = metadata.get("step_id")
         if step_id is not None:
             if step_id in session.done_steps:
@@ -323,6 +325,7 @@ class TransformerConnectionHandler(ServicerBase):
             await asyncio.sleep(
                 0
             )  # the push is on the critical path, the reply only feeds the client's history
+        metrics.inference_step_done(started)
         return runtime_pb2.ExpertResponse(tensors=[output_proto])
 
     async def _run_inference(
@@ -495,12 +498,15 @@ class TransformerConnectionHandler(ServicerBase):
 
     @asynccontextmanager
     async def _reporting(self, method: str, context: P2PContext) -> AsyncIterator[None]:
+        metrics.request_started(method)
         try:
             yield
         except (WireError, AllocationFailed, TimeoutError) as error:
+            metrics.request_failed(method, error)
             logger.info("%s from %s refused: %s", method, _short(context.remote_id), error)
             raise
-        except Exception:
+        except Exception as error:
+            metrics.request_failed(method, error)
             logger.exception("%s from %s failed", method, _short(context.remote_id))
             raise
 

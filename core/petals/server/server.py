@@ -25,6 +25,7 @@ from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, declare_model, expiration_from_now, get_remote_module_infos
 from petals.loading import Checkpoint, load_block
 from petals.networking import NetworkOptions
+from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
@@ -210,6 +211,7 @@ class ServingSpan:
             hosted, self.server.dht_prefix, self.p2p, self.compute, self.budget, self.sessions, limits
         )
         await self.handler.add_p2p_handlers(self.p2p)
+        metrics.serving(self.handler)
         await self._announce(ServerState.ONLINE)
         self.server.online.set()
         logger.info(
@@ -317,6 +319,7 @@ class ServingSpan:
     async def leave(self) -> None:
         """Announce OFFLINE, stop taking requests, end open sessions."""
         self.sessions.close_all()
+        metrics.serving(None)
         if self.handler is not None:
             await self.handler.remove_p2p_handlers(self.p2p)
         if self._announcer is not None:
