@@ -106,8 +106,10 @@ def show(state: SwarmState, *, as_json: bool, watch: bool) -> None:
     if as_json:
         # one document per line when watching (JSON Lines), indented once
         click.echo(json.dumps(state.to_json(), indent=None if watch else 2))
+    elif watch:
+        sys.stdout.write(CLEAR_SCREEN + render(state) + "\n")  # not click.echo: it drops escapes off a tty
     else:
-        click.echo((CLEAR_SCREEN if watch else "") + render(state))
+        click.echo(render(state))
     sys.stdout.flush()
 
 
