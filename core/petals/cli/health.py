@@ -20,6 +20,7 @@ import click
 from petals.networking import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
 
 if TYPE_CHECKING:
+    from petals.client.network import ClientNetwork
     from petals.swarm_state import ModelReport, ServerRow, SwarmState
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase display: the next frame replaces the last one
@@ -62,6 +63,16 @@ def client_network_options(initial_peers: Sequence[str], loopback: bool) -> Netw
     )
 
 
+def join_swarm(options: NetworkOptions) -> ClientNetwork:
+    """A client peer in the swarm; a swarm it cannot reach is one line saying so, not a traceback."""
+    from petals.client.network import ClientNetwork, SwarmUnreachableError
+
+    try:
+        return ClientNetwork(options)
+    except SwarmUnreachableError as error:
+        raise click.ClickException(str(error)) from None
+
+
 @click.command("health")
 @click.argument("model", required=False)
 @swarm_client_options
@@ -77,11 +88,10 @@ def health_command(
     update_period: float,
 ) -> None:
     """Show block coverage, servers and health of MODEL (default: every model the swarm announces)."""
-    from petals.client.network import ClientNetwork
     from petals.swarm_state import UnknownModelError, fetch_swarm_state
 
     options = client_network_options(initial_peers, loopback)
-    network = ClientNetwork(options)
+    network = join_swarm(options)
     try:
         while True:
             started = time.monotonic()

@@ -11,7 +11,7 @@ import socket
 
 import click
 
-from petals.cli.health import client_network_options, swarm_client_options
+from petals.cli.health import client_network_options, join_swarm, swarm_client_options
 from petals.networking import option
 
 FIRST_UPDATE_TIMEOUT = 60
@@ -40,18 +40,15 @@ def monitor_command(
         raise click.ClickException(
             f"{error}: petals monitor needs the monitor extra: pip install 'petals-core[monitor]'"
         ) from None
-    from petals.client.network import ClientNetwork
-
     listener = bind(host, port)
     options = client_network_options(initial_peers, loopback)
-    network = ClientNetwork(options)
+    network = join_swarm(options)
     updater = StateUpdater(network, options.initial_peers, model, update_period)
     try:
         updater.ready.wait(FIRST_UPDATE_TIMEOUT)  # after that, serve anyway: /api/v1/state says 503
         bound_host, bound_port = listener.getsockname()[:2]
-        click.echo(
-            f"Monitor: http://{bound_host}:{bound_port}/ (JSON at /api/v1/state, Prometheus at /metrics)"
-        )
+        address = f"[{bound_host}]" if ":" in bound_host else bound_host
+        click.echo(f"Monitor: http://{address}:{bound_port}/ (JSON at /api/v1/state, Prometheus at /metrics)")
         server = uvicorn.Server(uvicorn.Config(create_app(updater), log_level="warning"))
         server.run(sockets=[listener])
     finally:
