@@ -438,3 +438,29 @@ def test_server_metrics_count_requests_errors_tokens_and_sessions(swarm):
     assert after[("petals_server_compute_queue_wait_seconds_count", ())] >= 3
     assert after[("petals_server_blocks", ())] == 2
     assert ("petals_server_events_total", (("event", "pushes_sent"),)) in after
+
+
+def test_serve_refuses_a_busy_metrics_port_before_serving(tiny_model_path):
+    from click.testing import CliRunner
+
+    from petals.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [
+            "serve",
+            str(tiny_model_path("llama")),
+            "--new_swarm",
+            "--block_indices",
+            "0:1",
+            "--throughput",
+            "1",
+        ]
+        result = CliRunner().invoke(main, [*args, "--metrics_port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert (
+        f"cannot serve metrics on 127.0.0.1:{port}" in result.output
+        and "pick another --metrics_port" in result.output
+    )
