@@ -72,9 +72,7 @@ class ModelReport:
 
     @property
     def name(self) -> str:
-        """The repository path for hub models (as the original monitor names them), else the prefix."""
-        repository = self.info.repository
-        return repository.removeprefix("https://huggingface.co/") if repository else self.dht_prefix
+        return model_name(self.dht_prefix, self.info)
 
     @property
     def num_blocks(self) -> int:
@@ -214,13 +212,18 @@ def _selected_prefixes(index: dict[str, ModelInfo], model: str | None) -> list[s
     if model is None:
         return sorted(index, key=lambda prefix: (-index[prefix].num_blocks, prefix))
     for prefix, info in index.items():
-        if model in (prefix, ModelReport(prefix, info, []).name):
+        if model in (prefix, model_name(prefix, info)):
             return [prefix]
     announced = ", ".join(sorted(index)) or "none"
     raise UnknownModelError(
         f"model {model!r} is not announced in this swarm's _petals.models index (announced: {announced}); "
         "pass a dht_prefix or a model name from that list, or none to see every model"
     )
+
+
+def model_name(dht_prefix: str, info: ModelInfo) -> str:
+    """The repository path for hub models (as the original monitor names them), else the dht_prefix."""
+    return info.repository.removeprefix("https://huggingface.co/") if info.repository else dht_prefix
 
 
 def _row(peer_id: PeerID, spans: dict[PeerID, RemoteSpanInfo]) -> ServerRow:

@@ -156,6 +156,6 @@ class _LiveStateCollector:
             value=handler.compute.batches_merged,
         )
         stats = CounterMetricFamily("petals_server_events", "Inference and push events", labels=["event"])
-        for event, count in handler.stats.items():
+        for event, count in dict(handler.stats).items():  # a copy: the event loop may add keys meanwhile
             stats.add_metric([event], count)
         yield stats
