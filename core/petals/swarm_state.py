@@ -187,15 +187,7 @@ async def fetch_swarm_state(
         reports.append(ModelReport(prefix, index[prefix], [_row(peer, spans) for peer in sorted(spans)]))
 
     bootstrap_ids = list(dict.fromkeys(PeerID.from_base58(Multiaddr(peer)["p2p"]) for peer in initial_peers))
-    online_ids = {row.peer_id for report in reports for row in report.rows if row.state == "online"}
-    checked = list(dict.fromkeys([*bootstrap_ids, *sorted(online_ids)]))
-    errors = await asyncio.gather(*(reach_error(p2p, peer_id, reach_timeout) for peer_id in checked))
-    issues = {peer_id: error for peer_id, error in zip(checked, errors, strict=True) if error is not None}
-    for report in reports:
-        for row in report.rows:
-            if row.state == "online" and row.peer_id in issues:
-                row.state = "unreachable"
-
+    issues = await _dial_and_mark_unreachable(bootstrap_ids, reports, p2p, reach_timeout)
     return SwarmState(
         models=reports,
         bootstrap_states=["unreachable" if peer_id in issues else "online" for peer_id in bootstrap_ids],
@@ -206,6 +198,21 @@ async def fetch_swarm_state(
         update_duration=time.perf_counter() - started,
         top_contributors=_top_contributors(reports),
     )
+
+
+async def _dial_and_mark_unreachable(
+    peer_ids: Sequence[PeerID], reports: Sequence[ModelReport], p2p: P2P, timeout: float
+) -> dict[PeerID, str]:
+    """Dial ``peer_ids`` and every ONLINE server; those that do not answer become "unreachable"."""
+    online = {row.peer_id for report in reports for row in report.rows if row.state == "online"}
+    checked = list(dict.fromkeys([*peer_ids, *sorted(online)]))
+    errors = await asyncio.gather(*(reach_error(p2p, peer_id, timeout) for peer_id in checked))
+    issues = {peer_id: error for peer_id, error in zip(checked, errors, strict=True) if error is not None}
+    for report in reports:
+        for row in report.rows:
+            if row.state == "online" and row.peer_id in issues:
+                row.state = "unreachable"
+    return issues
 
 
 def _selected_prefixes(index: dict[str, ModelInfo], model: str | None) -> list[str]:
