@@ -1,8 +1,11 @@
 """The demo on a real model: SmolLM2-135M-Instruct through three real servers."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 
 import psutil
 import pytest
@@ -13,6 +16,7 @@ import petals
 from conftest import LOOPBACK_CLIENT, running_swarm
 from petals.cli.generate import encode
 from petals.demo_model import prepare_demo_model
+from petals.testing.swarm import SwarmProcess
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +72,26 @@ def test_greedy_tokens_through_the_swarm_equal_local_generation(demo_cache):
         finally:
             remote.remote_blocks.network.close()
     assert torch.equal(got, expected), (tokenizer.decode(got[0]), tokenizer.decode(expected[0]))
+
+
+def test_demo_keep_starts_the_monitor_and_stops_everything_on_ctrl_c(demo_cache):
+    demo = SwarmProcess(
+        "petals demo --keep",
+        ["petals.cli", "demo", "--keep", "--cache_dir", str(demo_cache), "--max_new_tokens", "2"],
+    )
+    with demo:
+        line = demo.wait_for(
+            lambda: next((line for line in demo.stdout_lines if "Watch it at" in line), None),
+            600,
+            "the monitor",
+        )
+        children = psutil.Process(demo.pid).children(recursive=True)  # bootstrap, servers, monitor, daemons
+        url = re.search(r"(http://\S+/)", line).group(1)
+        with urllib.request.urlopen(url + "api/v1/state", timeout=30) as response:
+            state = json.load(response)
+        assert [model["state"] for model in state["model_reports"]] == ["healthy"]
+        assert len(state["model_reports"][0]["server_rows"]) == 3
+        assert any("petals generate" in line for line in demo.stdout_lines)
+        assert demo.stop(timeout=60) == 0, demo.log
+    assert "Done." in "".join(demo.stdout_lines)
+    assert [child.pid for child in children if child.is_running()] == []

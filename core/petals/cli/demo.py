@@ -3,7 +3,8 @@
 Prepares SmolLM2-135M-Instruct once, starts a bootstrap peer and three servers of 10 blocks each
 as real processes on 127.0.0.1, asks the question through the distributed client with the chat
 template, streams the answer, prints the swarm map and timings, and shuts everything down (also on
-Ctrl-C). ``--keep`` leaves the swarm running and prints how to connect to it.
+Ctrl-C). ``--keep`` leaves the swarm running, starts ``petals monitor`` on it and prints how to
+connect to both.
 """
 
 from __future__ import annotations
@@ -96,10 +97,21 @@ def print_swarm_map(model) -> None:
 
 
 def wait_for_ctrl_c(model_path, initial_peers) -> None:
+    from petals.testing.swarm import SwarmProcessError, start_monitor
+
     peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
-    click.echo(
-        f"\nThe swarm keeps running. Connect with:\n  petals generate {model_path} {peers} --loopback --chat "
-        f'"Tell me about Paris"\nPress Ctrl-C to stop it.'
-    )
-    with contextlib.suppress(KeyboardInterrupt):
-        signal.pause()
+    monitor_command = f"petals monitor {peers} --loopback"
+    with contextlib.ExitStack() as stack:
+        try:
+            monitor = stack.enter_context(start_monitor(initial_peers, "--update_period", "5"))
+            watch = f"Watch it at {monitor.url} (started here; the same as `{monitor_command}`)"
+        except SwarmProcessError as error:
+            reason = error.args[0].strip().splitlines()[-1]
+            watch = f"Watch it with `{monitor_command}` (could not start it here: {reason})"
+        click.echo(
+            f"\nThe swarm keeps running. Connect with:\n  petals generate {model_path} {peers} --loopback --chat "
+            f'"Tell me about Paris"\n{watch}\n  or in the terminal: petals health {peers} --loopback --watch\n'
+            "Press Ctrl-C to stop it."
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()

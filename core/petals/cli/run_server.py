@@ -186,14 +186,24 @@ def _taking_following_words(process):
     "(default: $PETALS_CACHE or ~/.cache/petals).",
 )
 @option("--max_disk_space", help="Accepted for compatibility; disk space is not managed yet.")
+@option(
+    "--metrics_port",
+    type=click.IntRange(1, 65535),
+    help="Serve Prometheus metrics on this port (default: off).",
+)
+@option("--metrics_host", default="127.0.0.1", show_default=True, help="Address to serve --metrics_port on.")
 @network_cli_options
 def serve_command(model: str, **options: Any) -> None:
     """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
     configure_logging()
     gc.disable()  # until the server is ONLINE: see collect_startup_garbage
     try:
+        metrics_address = options.pop("metrics_host"), options.pop("metrics_port")
         settings = settings_from_cli(model, options)
         if settings is not None:
+            from petals.server.metrics import start_metrics_server
+
+            start_metrics_server(*metrics_address)
             run_server(settings)
     finally:
         gc.enable()

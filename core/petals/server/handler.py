@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids, parse_uid_chain
+from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
@@ -303,6 +304,7 @@ class TransformerConnectionHandler(ServicerBase):
     async def _inference_step(
         self, session: InferenceSession, args: InferenceArgs, metadata: dict
     ) -> runtime_pb2.ExpertResponse | None:
+        started = time.perf_counter()
         step_id = metadata.get("step_id")
         if step_id is not None:
             if step_id in session.done_steps:
@@ -336,6 +338,7 @@ class TransformerConnectionHandler(ServicerBase):
             await asyncio.sleep(
                 0
             )  # the push is on the critical path, the reply only feeds the client's history
+        metrics.inference_step_done(started)
         return runtime_pb2.ExpertResponse(tensors=[output_proto])
 
     async def _run_inference(
@@ -509,12 +512,15 @@ class TransformerConnectionHandler(ServicerBase):
     @asynccontextmanager
     async def _reporting(self, method: str, context: P2PContext) -> AsyncIterator[None]:
         """Log each failure once, and send it to the peer tagged with its kind (``wire.ERROR_KINDS``)."""
+        metrics.request_started(method)
         try:
             yield
         except REFUSALS as error:
+            metrics.request_failed(method, error)
             logger.info("%s from %s refused: %s", method, _short(context.remote_id), cut(str(error)))
             raise Refusal(tag_error(_kind(error), cut(str(error), 2000))) from None
         except Exception as error:
+            metrics.request_failed(method, error)
             logger.exception("%s from %s failed", method, _short(context.remote_id))
             raise Refusal(tag_error("internal", cut(str(error), 2000))) from None
 

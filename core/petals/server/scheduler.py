@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from petals.server import metrics
+
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 256  # decode steps merged into one call carry at most this many tokens in total
@@ -51,6 +53,7 @@ class _Task:
     key: Hashable | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
     loop: asyncio.AbstractEventLoop = field(compare=False)
+    submitted: float = field(default_factory=time.perf_counter, compare=False)
 
 
 class ComputeQueue:
@@ -130,6 +133,7 @@ class ComputeQueue:
             batch = [task for task in batch if not task.future.cancelled()]  # their requesters are gone
             if not batch:
                 continue
+            metrics.compute_batch_started([task.submitted for task in batch])
             tokens = sum(task.tokens for task in batch)
             try:
                 results, error = self._execute(batch[0].function, [task.item for task in batch], tokens), None

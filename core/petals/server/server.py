@@ -32,6 +32,7 @@ from petals.dht import (
 )
 from petals.loading import Checkpoint, load_block
 from petals.networking import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
+from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
@@ -224,6 +225,7 @@ class ServingSpan:
             hosted, self.server.dht_prefix, self.p2p, self.compute, self.budget, self.sessions, limits
         )
         await self.handler.add_p2p_handlers(self.p2p)
+        metrics.serving(self.handler)
         await self._announce(ServerState.ONLINE)
         self.server.online.set()
         logger.info(
@@ -331,6 +333,7 @@ class ServingSpan:
     async def leave(self) -> None:
         """Stop taking requests, end open sessions, announce OFFLINE: within ~``LEAVE_SECONDS``."""
         self.sessions.close_all()
+        metrics.serving(None)
         if self._announcer is not None:
             self._announcer.cancel()
         if self.handler is not None and daemon_alive(self.p2p):

@@ -222,3 +222,29 @@ def running_swarm(
         for server in servers:
             server.wait_for_log(READY_MESSAGE, timeout=timeout)
         yield dht, servers
+
+
+class MonitorProcess(SwarmProcess):
+    url: str
+
+
+MONITOR_URL_PATTERN = re.compile(r"Monitor: (http://\S+/)")
+
+
+def start_monitor(initial_peers: Sequence[str], *args: str, timeout: float = 60) -> MonitorProcess:
+    """``petals monitor --loopback --port 0 --initial_peers ...``; ``.url`` is the page it serves."""
+    peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
+    process = MonitorProcess(
+        "petals monitor", ["petals.cli.monitor", "--loopback", "--port", "0", *peers, *args]
+    )
+    try:
+        line = process.wait_for(
+            lambda: next((line for line in process.stdout_lines if MONITOR_URL_PATTERN.search(line)), None),
+            timeout,
+            "printed its address",
+        )
+        process.url = MONITOR_URL_PATTERN.search(line).group(1)
+    except BaseException:
+        process.stop()
+        raise
+    return process

@@ -1,0 +1,186 @@
+"""``petals health --initial_peers ... [MODEL]``: which blocks are covered, by whom, and is it healthy.
+
+For every model of the swarm's ``_petals.models`` index (or the one given), a coverage bar over its
+blocks, a table of its servers and a verdict. ``--json`` prints the original Petals health
+monitor's ``/api/v1/state`` document instead; ``--watch`` refreshes every ``--update_period``.
+Exits 1 when a model misses blocks (or none is announced), so scripts can check a swarm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import click
+
+from petals.networking import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
+
+if TYPE_CHECKING:
+    from petals.client.network import ClientNetwork
+    from petals.swarm_state import ModelReport, ServerRow, SwarmState
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase display: the next frame replaces the last one
+BAR = {"online": "█", "joining": "▒", "missing": "·"}
+COLUMNS = (
+    "peer",
+    "blocks",
+    "state",
+    "throughput",
+    "dtype",
+    "quant",
+    "adapters",
+    "cache/block",
+    "version",
+    "public name",
+    "pings to it",
+)
+
+
+def swarm_client_options(command: Callable) -> Callable:
+    """``--initial_peers`` and ``--loopback``, shared by ``petals health`` and ``petals monitor``."""
+    command = option(
+        "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
+    )(command)
+    return option(
+        "--initial_peers",
+        multiple=True,
+        required=True,
+        help="Multiaddrs of swarm peers (repeat or space-separate).",
+    )(command)
+
+
+def client_network_options(initial_peers: Sequence[str], loopback: bool) -> NetworkOptions:
+    return NetworkOptions(
+        initial_peers=split_words(initial_peers),
+        host_maddrs=LOOPBACK_MADDRS if loopback else ALL_INTERFACES,
+        nat_port_map=not loopback,
+        auto_nat=not loopback,
+        use_relay=not loopback,
+    )
+
+
+def join_swarm(options: NetworkOptions) -> ClientNetwork:
+    """A client peer in the swarm; a swarm it cannot reach is one line saying so, not a traceback."""
+    from petals.client.network import ClientNetwork, SwarmUnreachableError
+
+    try:
+        return ClientNetwork(options)
+    except SwarmUnreachableError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.command("health")
+@click.argument("model", required=False)
+@swarm_client_options
+@option("--json", "as_json", is_flag=True, help="Print the /api/v1/state JSON document instead.")
+@option("--watch", is_flag=True, help="Refresh in place every --update_period seconds (Ctrl-C stops).")
+@option("--update_period", type=click.FloatRange(min=0.1), default=15, show_default=True)
+def health_command(
+    model: str | None,
+    initial_peers: tuple[str, ...],
+    loopback: bool,
+    as_json: bool,
+    watch: bool,
+    update_period: float,
+) -> None:
+    """Show block coverage, servers and health of MODEL (default: every model the swarm announces)."""
+    from petals.swarm_state import UnknownModelError, fetch_swarm_state
+
+    options = client_network_options(initial_peers, loopback)
+    network = join_swarm(options)
+    try:
+        while True:
+            started = time.monotonic()
+            fetch = fetch_swarm_state(
+                network.node, network.p2p, options.initial_peers, model=model, update_period=update_period
+            )
+            try:
+                state = network.run(fetch)
+            except UnknownModelError as error:
+                raise click.ClickException(str(error)) from None
+            show(state, as_json=as_json, watch=watch)
+            if not watch:
+                sys.exit(0 if state.models and all(report.healthy for report in state.models) else 1)
+            time.sleep(max(0.0, update_period - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        network.close()
+
+
+def show(state: SwarmState, *, as_json: bool, watch: bool) -> None:
+    if as_json:
+        # one document per line when watching (JSON Lines), indented once
+        click.echo(json.dumps(state.to_json(), indent=None if watch else 2))
+    elif watch:
+        sys.stdout.write(CLEAR_SCREEN + render(state) + "\n")  # not click.echo: it drops escapes off a tty
+    else:
+        click.echo(render(state))
+    sys.stdout.flush()
+
+
+def render(state: SwarmState) -> str:
+    """The whole report as text: per model a verdict, a coverage bar and the server table."""
+    if not state.models:
+        return "No model is announced in this swarm's _petals.models index yet.\n"
+    updated = time.strftime("%H:%M:%S", time.localtime(state.last_updated))
+    sections = [render_model(report) for report in state.models]
+    bootstrap = ", ".join(state.bootstrap_states)
+    return "\n".join([*sections, f"Bootstrap peers: {bootstrap}. Updated {updated}.\n"])
+
+
+def render_model(report: ModelReport) -> str:
+    online, joining = report.servers_per_block("online"), report.servers_per_block("joining")
+    bar = "".join(
+        BAR["online"] if on else BAR["joining"] if join else BAR["missing"]
+        for on, join in zip(online, joining, strict=True)
+    )
+    lines = [
+        f"{report.name} (dht_prefix {report.dht_prefix}, {report.num_blocks} blocks): {verdict(report)}",
+        f"  blocks 0 {bar} {report.num_blocks}",
+        f"  {BAR['online']} served by an ONLINE server  {BAR['joining']} only JOINING  {BAR['missing']} missing",
+        "",
+        *table([COLUMNS, *(server_cells(row) for row in report.rows)]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def verdict(report: ModelReport) -> str:
+    missing = report.missing_ranges()
+    if not missing:
+        return "healthy"
+    return "missing blocks " + ", ".join(f"{start}:{end}" for start, end in missing)
+
+
+def server_cells(row: ServerRow) -> list[str]:
+    info = row.span.server_info
+    pings = [seconds for seconds in row.pings_to_me.values() if math.isfinite(seconds)]
+    return [
+        row.short_peer_id,
+        f"{row.span.start}:{row.span.end}",
+        row.state.upper(),
+        f"{info.throughput:.1f}",
+        info.torch_dtype or "-",
+        info.quant_type or "-",
+        ",".join(name.split("/")[-1] for name in info.adapters) or "-",
+        _or_dash(row.cache_tokens_left_per_block),
+        info.version or "-",
+        info.public_name or "-",
+        f"{len(pings)}, best {min(pings) * 1000:.1f} ms" if pings else "-",
+    ]
+
+
+def table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
