@@ -130,6 +130,10 @@ class ServerProcess(SwarmProcess):
     ready_seconds: float
 
 
+class ApiProcess(SwarmProcess):
+    url: str  # http://127.0.0.1:PORT
+
+
 def start_dht(*args: str, timeout: float = 30) -> DhtProcess:
     """A bootstrap peer; ``.initial_peers`` holds the multiaddrs it printed."""
     process = DhtProcess("petals dht", ["petals.cli.run_dht", "--loopback", *args])
@@ -161,6 +165,28 @@ def start_server(
         if wait_ready:
             process.wait_for_log(READY_MESSAGE, timeout)
             process.ready_seconds = time.perf_counter() - process.started_at
+    except BaseException:
+        process.stop()
+        raise
+    return process
+
+
+def start_api(
+    model: str | Path, initial_peers: Sequence[str], *args: str, timeout: float = 120
+) -> ApiProcess:
+    """``petals api MODEL --loopback --port 0 --initial_peers ...``, waiting until it serves; ``.url``."""
+    from petals.cli.api import READY_MESSAGE
+
+    peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
+    command = ["petals.cli", "api", str(model), "--loopback", "--port", "0", *peers, *args]
+    process = ApiProcess(f"petals api {Path(str(model)).name}", command)
+    try:
+        line = process.wait_for(
+            lambda: next((line for line in process.stdout_lines if READY_MESSAGE in line), None),
+            timeout,
+            "its ready line",
+        )
+        process.url = re.search(r" at (http://\S+) ", line).group(1)
     except BaseException:
         process.stop()
         raise
