@@ -9,6 +9,8 @@ Python client in this process is the reference for what the swarm generates.
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,11 +25,11 @@ import petals
 from conftest import LOOPBACK_CLIENT, running_swarm
 from petals.api.text import StreamingText
 from petals.demo_model import prepare_demo_model
-from petals.testing.swarm import start_api
+from petals.testing.swarm import SwarmProcess, start_api
 from petals.testing.wire_client import WireClient
 
 MODEL_ID = "tiny-chat-llama"
-MAX_TOKENS = 300  # the API's cap in this module
+MAX_TOKENS = 1000  # the API's cap in this module
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +64,27 @@ def swarm(model_path):
 
 
 @pytest.fixture(scope="module")
-def api_url(model_path, swarm):
+def apis(model_path, swarm):
+    """Two API processes, started together: one for the swarm, one (with a key) for a model nobody serves."""
     dht, _ = swarm
-    with start_api(model_path, dht.initial_peers, "--max_tokens", str(MAX_TOKENS)) as api:
-        yield api.url
+    with (
+        start_api(model_path, dht.initial_peers, "--max_tokens", str(MAX_TOKENS), wait_ready=False) as main,
+        start_api(
+            model_path,
+            dht.initial_peers,
+            "--dht_prefix",
+            "nobody-serves-this",
+            "--api_key",
+            "k1",
+            wait_ready=False,
+        ) as keyed,
+    ):
+        yield main.wait_ready(), keyed.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def api_url(apis) -> str:
+    return apis[0].url
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +132,9 @@ def test_stop_string_split_over_tokens_is_cut_and_never_leaked(tokenizer):
 
 def test_held_back_text_is_released_when_no_stop_follows(tokenizer):
     ids = tokenizer("Paris, France", add_special_tokens=False)["input_ids"]
-    text = StreamingText(tokenizer, stop=["Francium"])
+    text = StreamingText(tokenizer, stop=["France is"])
     pieces = [text.push(token) for token in ids]
-    assert "France" not in "".join(pieces)  # "France" could still become "Francium"
+    assert "France" not in "".join(pieces)  # "France" could still become "France is"
     assert "".join(pieces) + text.flush() == "Paris, France" and not text.stopped
 
 
@@ -341,15 +360,18 @@ def test_chat_page_streams_an_answer_into_the_page(api_url, tmp_path):
             page.wait_for_function(f"document.getElementById('model').textContent === '{MODEL_ID}'")
             page.fill("#question", "What is the capital of France?")
             page.keyboard.press("Enter")
-            # a partial answer is on the page while it is still being generated
+            # the answer grows on the page while it is being generated (a random model: it would go on
+            # to the token limit, so Stop ends it, which also cancels the generation on the server)
             page.wait_for_function(
                 "(() => { const a = document.querySelector('.assistant.streaming'); "
-                "return a !== null && a.textContent.length > 0; })()",
+                "return a !== null && a.textContent.length > 40; })()",
                 timeout=60_000,
             )
-            page.wait_for_selector(".assistant.done", timeout=120_000)
+            page.click("#stop")
+            page.wait_for_selector(".assistant.done", timeout=30_000)
             assert page.text_content(".user") == "What is the capital of France?"
-            assert len(page.text_content(".assistant")) > 0 and page.query_selector(".error") is None
+            assert len(page.text_content(".assistant")) > 40 and page.query_selector(".error") is None
+            assert page.is_enabled("#send")
             page.screenshot(path=tmp_path / "chat.png")
         finally:
             browser.close()
@@ -359,21 +381,35 @@ def test_chat_page_streams_an_answer_into_the_page(api_url, tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_blocks_are_a_503_naming_them_and_keys_are_checked(model_path, swarm):
-    dht, _ = swarm
-    with start_api(
-        model_path, dht.initial_peers, "--dht_prefix", "nobody-serves-this", "--api_key", "k1"
-    ) as api:
-        url = api.url
-        chat = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            wrong.chat.completions.create(**chat)
-        assert (
-            httpx2.get(url, timeout=30).status_code == 200
-        )  # the page itself is public: it asks for the key
-        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0, timeout=120)
-        with pytest.raises(openai.APIStatusError) as error:
-            keyed.chat.completions.create(**chat)
-        assert error.value.status_code == 503
-        assert "blocks missing: 0-3" in error.value.message and error.value.code == "swarm_missing_blocks"
+def test_missing_blocks_are_a_503_naming_them_and_keys_are_checked(apis):
+    url = apis[1].url
+    chat = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(**chat)
+    assert httpx2.get(url, timeout=30).status_code == 200  # the page itself is public: it asks for the key
+    keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0, timeout=120)
+    with pytest.raises(openai.APIStatusError) as error:
+        keyed.chat.completions.create(**chat)
+    assert error.value.status_code == 503
+    assert "blocks missing: 0-3" in error.value.message and error.value.code == "swarm_missing_blocks"
+
+
+# ---- petals demo --api ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_api_prints_a_curl_command_that_works():
+    """SmolLM2 on three servers behind the API; the printed curl command gets a real answer."""
+    prepare_demo_model()  # the demo's model, converted once into the default cache
+    with SwarmProcess("petals demo --api", ["petals.cli", "demo", "--api", "--port", "0"]) as demo:
+        demo.wait_for(
+            lambda: any("Chat page:" in line for line in demo.stdout_lines), 300, "the API's address"
+        )
+        curl = next(line.strip() for line in demo.stdout_lines if line.strip().startswith("curl "))
+        page = next(line for line in demo.stdout_lines if "Chat page:" in line).split()[-1]
+        answer = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=120)
+        assert "Paris" in json.loads(answer.stdout)["choices"][0]["message"]["content"], answer.stdout
+        assert httpx2.get(page, timeout=30).text.startswith("<!doctype html>")
+        assert demo.stop() == 0
+    assert "Shutting the swarm down" in "".join(demo.stdout_lines)

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -197,8 +203,8 @@ class ModelService:
             self.model.generate(
                 torch.tensor([input_ids], dtype=torch.int64),
                 generation_config=config,
-                logits_processor=processors,
-                stopping_criteria=[step],
+                logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList([step]),
             )
         tail = text.flush()
         if tail:

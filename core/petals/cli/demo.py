@@ -10,6 +10,7 @@ with ``petals api`` instead (OpenAI API, Petals chat API, chat page) until Ctrl-
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 
@@ -114,14 +115,16 @@ def wait_for_ctrl_c(model_path, initial_peers) -> None:
 
 
 def serve_api(model_path, initial_peers, port: int) -> None:
+    """``petals api`` in this process in front of the demo swarm, until Ctrl-C."""
     from petals.api.service import Limits
     from petals.cli.api import run_api
 
     def tell_how_to_use(url: str, model_id: str) -> None:
-        body = f'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+        messages = [{"role": "user", "content": QUESTION}]
+        body = json.dumps({"model": model_id, "messages": messages, "max_tokens": 64, "temperature": 0})
         click.echo(
             f"\nThe API is up. Try it:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{body}'\nChat page: {url}/\nPress Ctrl-C to stop the API and the swarm.",
+            f"-d '{body}'\nChat page: {url}/\nPress Ctrl-C to stop the API and the swarm."
         )
 
     run_api(
