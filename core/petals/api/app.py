@@ -7,10 +7,12 @@ read and counted before any route sees them.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from importlib import resources
 from typing import Any
 
@@ -138,8 +140,19 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app: ASGIApp, sock: socket.socket, service: ModelService) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both)."""
+    """Serve until SIGINT or SIGTERM, then return (the caller closes the model, and the demo its swarm)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's own re-raises the signal after shutting down, which would skip our cleanup
+            originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(
         app,
@@ -147,4 +160,4 @@ def serve(app: ASGIApp, sock: socket.socket, service: ModelService) -> None:
         ws_max_size=service.limits.max_request_bytes,
         timeout_graceful_shutdown=5,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    Server(config).run(sockets=[sock])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -71,20 +72,31 @@ def api_command(
     limits = Limits(
         max_new_tokens=max_tokens, max_request_bytes=max_request_bytes, session_timeout=session_timeout
     )
-    run_api(model, list(initial_peers), host, port, loopback, api_key, model_id, limits, dht_prefix)
+    run_api(
+        model,
+        list(initial_peers),
+        host=host,
+        port=port,
+        loopback=loopback,
+        api_key=api_key,
+        model_id=model_id,
+        limits=limits,
+        dht_prefix=dht_prefix,
+    )
 
 
 def run_api(
     model: str,
     initial_peers: list[str],
+    *,
     host: str,
     port: int,
     loopback: bool,
-    api_key: str | None,
-    model_id: str | None,
     limits,
+    api_key: str | None = None,
+    model_id: str | None = None,
     dht_prefix: str | None = None,
-    on_ready=None,
+    on_ready: Callable[[str, str], None] | None = None,
 ) -> None:
     """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
     try:

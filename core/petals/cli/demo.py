@@ -130,11 +130,9 @@ def serve_api(model_path, initial_peers, port: int) -> None:
     run_api(
         str(model_path),
         list(initial_peers),
-        "127.0.0.1",
-        port,
-        True,
-        None,
-        None,
-        Limits(),
+        host="127.0.0.1",
+        port=port,
+        loopback=True,
+        limits=Limits(),
         on_ready=tell_how_to_use,
     )
