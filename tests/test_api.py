@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -144,6 +145,16 @@ def test_incomplete_utf8_characters_wait_for_their_last_byte(tokenizer):
     pieces = [text.push(token) for token in ids]
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) + text.flush() == "café 🙂 ok"
+
+
+def test_api_help_imports_nothing_heavy():
+    check = (
+        "import sys; from click.testing import CliRunner; from petals.cli import main; "
+        "result = CliRunner().invoke(main, ['api', '--help']); assert '--api_key' in result.output, result.output; "
+        "print([m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
 # ---- the OpenAI API ----------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def _max_new_tokens(service: ModelService, requested: int | None, prompt_tokens:
     try:
         service.check_length(prompt_tokens, max_new_tokens)
     except ValueError as error:
-        raise APIError(400, str(error), param="messages", code="context_length_exceeded") from error
+        raise APIError(400, str(error), code="context_length_exceeded") from error
     return max_new_tokens
 
 
