@@ -201,7 +201,8 @@ async def _receive(websocket: WebSocket, timeout: float) -> dict[str, Any]:
     return message
 
 
-async def _open(websocket: WebSocket, service: ModelService) -> tuple[_ChatSession, Events]:
+async def _requested_length(websocket: WebSocket, service: ModelService) -> int:
+    """The ``max_length`` of the first message, ``open_inference_session``, checked."""
     fields = await _receive(websocket, service.limits.session_timeout)
     if fields.get("type") != "open_inference_session":
         raise ChatAPIError("the first message must be of type 'open_inference_session'")
@@ -211,10 +212,7 @@ async def _open(websocket: WebSocket, service: ModelService) -> tuple[_ChatSessi
         raise ChatAPIError("open_inference_session needs max_length >= 1")
     if service.context_length is not None and max_length > service.context_length:
         raise ChatAPIError(f"max_length {max_length} exceeds the model's context of {service.context_length}")
-    session = _ChatSession(service, max_length)
-    events = service.start(session.run)
-    await events.get()  # _OPENED, or the swarm's error raised here
-    return session, events
+    return max_length
 
 
 async def _stream_turn(websocket: WebSocket, turn: _Turn, events: Events) -> None:
@@ -235,7 +233,9 @@ async def _serve_websocket(websocket: WebSocket, service: ModelService) -> None:
     events: Events | None = None
     session: _ChatSession | None = None
     try:
-        session, events = await _open(websocket, service)
+        session = _ChatSession(service, await _requested_length(websocket, service))
+        events = service.start(session.run)
+        await events.get()  # _OPENED, or the swarm's error raised here
         await websocket.send_json({"ok": True})
         while True:
             turn = _Turn(await _receive(websocket, service.limits.session_timeout), service)
@@ -247,7 +247,7 @@ async def _serve_websocket(websocket: WebSocket, service: ModelService) -> None:
         logger.info("WebSocket session ended: %s: %s", type(error).__name__, str(error)[:200])
         with contextlib.suppress(Exception):
             await websocket.send_json(_error(error))
-    finally:
+    finally:  # the worker leaves its inference session, which frees the servers' caches
         if events is not None:
             events.cancel()
         if session is not None:
