@@ -92,13 +92,13 @@ def _stream(http: httpx2.Client, body: dict) -> int:
 
 
 def _chat_swarm(ctx: Context, stack: contextlib.ExitStack) -> Swarm:
-    """SmolLM2's swarm; with --quick, a tiny random model over its tokenizer (the API needs one)."""
+    """SmolLM2's swarm; with --quick, a tiny random model over its tokenizer (the API needs one), on a
+    swarm of its own (the context's quick swarm stays up for the next benchmarks)."""
     if not ctx.quick:
         return ctx.swarm("smollm2", servers=3)
     from petals.demo_model import prepare_demo_model
     from petals.testing.swarm import running_swarm
 
-    ctx.close_swarm()
     tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
     config = LlamaConfig(
         hidden_size=64,
