@@ -356,6 +356,38 @@ def test_websocket_v2_keeps_one_session_across_turns(api_url, reference, tokeniz
         assert too_long["ok"] is False and "Maximum length exceeded" in too_long["traceback"]
 
 
+@pytest.mark.slow
+def test_closing_a_websocket_mid_answer_frees_the_servers_caches(api_url, swarm):
+    from websockets.sync.client import connect
+
+    dht, servers = swarm
+    wire = WireClient(dht.initial_peers)
+    try:
+
+        def cache_left() -> list[int]:
+            return [wire.info(server.peer_id)["cache_tokens_available"] for server in servers]
+
+        idle = cache_left()
+        with connect(api_url.replace("http", "ws", 1) + "/api/v2/generate", open_timeout=30) as websocket:
+            websocket.send(json.dumps({"type": "open_inference_session", "max_length": 1000}))
+            assert json.loads(websocket.recv(timeout=60)) == {"ok": True}
+            turn = {
+                "type": "generate",
+                "inputs": "Go on:",
+                "max_new_tokens": 1,
+                "stop_sequence": "never-generated",
+            }
+            websocket.send(json.dumps(turn))
+            assert json.loads(websocket.recv(timeout=60))["stop"] is False  # the answer is streaming
+            assert all(now < before for now, before in zip(cache_left(), idle, strict=True))
+        deadline = time.monotonic() + 30
+        while (left := cache_left()) != idle and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == idle
+    finally:
+        wire.close()
+
+
 # ---- the chat page in a real browser ----------------------------------------------------------------
 
 
