@@ -1,6 +1,7 @@
 """The whole suite, in the order it runs: consecutive benchmarks on the same swarm share it."""
 
 from benchmarks import (
+    api_overhead,
     concurrent_sessions,
     forward_throughput,
     generation_latency,
@@ -13,6 +14,7 @@ SUITE = {
     "latency_tiny_llama": generation_latency.BENCHMARKS["latency_tiny_llama"],
     **concurrent_sessions.BENCHMARKS,
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
+    **api_overhead.BENCHMARKS,  # on latency_smollm2's swarm
     **forward_throughput.BENCHMARKS,
     **server_memory.BENCHMARKS,
 }

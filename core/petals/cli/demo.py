@@ -4,12 +4,14 @@ Prepares SmolLM2-135M-Instruct once, starts a bootstrap peer and three servers o
 as real processes on 127.0.0.1, asks the question through the distributed client with the chat
 template, streams the answer, prints the swarm map and timings, and shuts everything down (also on
 Ctrl-C). ``--keep`` leaves the swarm running, starts ``petals monitor`` on it and prints how to
-connect to both.
+connect to both; ``--api`` serves it with ``petals api`` instead (OpenAI API, Petals chat API, chat
+page) until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 
@@ -26,7 +28,11 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
 @click.option("--max_new_tokens", "--max-new-tokens", default=48, show_default=True)
 @click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
 @click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
-def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep: bool) -> None:
+@click.option("--api", is_flag=True, help="Serve the swarm with `petals api` (and a chat page) until Ctrl-C.")
+@click.option("--port", default=8000, show_default=True, help="The API's port with --api (0: any free port).")
+def demo_command(
+    question: str, max_new_tokens: int, cache_dir: str | None, keep: bool, api: bool, port: int
+) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     from petals.demo_model import prepare_demo_model
     from petals.testing.swarm import running_swarm
@@ -43,12 +49,15 @@ def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep
         for server, blocks in zip(servers, SERVER_RANGES, strict=True):
             click.echo(f"Server ...{server.peer_id[-8:]} is ONLINE with blocks {blocks}")
         timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
-        answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
-        click.echo("\nTimings:")
-        for what, seconds in timings.items():
-            click.echo(f"  {what:<40} {seconds:7.2f} s")
-        if keep:
-            wait_for_ctrl_c(model_path, dht.initial_peers)
+        if api:
+            serve_api(model_path, dht.initial_peers, port)
+        else:
+            answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
+            click.echo("\nTimings:")
+            for what, seconds in timings.items():
+                click.echo(f"  {what:<40} {seconds:7.2f} s")
+            if keep:
+                wait_for_ctrl_c(model_path, dht.initial_peers)
         click.echo("Shutting the swarm down ...")
     click.echo("Done.")
 
@@ -115,3 +124,27 @@ def wait_for_ctrl_c(model_path, initial_peers) -> None:
         )
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
+
+
+def serve_api(model_path, initial_peers, port: int) -> None:
+    """``petals api`` in this process in front of the demo swarm, until Ctrl-C."""
+    from petals.api.service import Limits
+    from petals.cli.api import run_api
+
+    def tell_how_to_use(url: str, model_id: str) -> None:
+        messages = [{"role": "user", "content": QUESTION}]
+        body = json.dumps({"model": model_id, "messages": messages, "max_tokens": 64, "temperature": 0})
+        click.echo(
+            f"\nThe API is up. Try it:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}'\nChat page: {url}/\nPress Ctrl-C to stop the API and the swarm."
+        )
+
+    run_api(
+        str(model_path),
+        list(initial_peers),
+        host="127.0.0.1",
+        port=port,
+        loopback=True,
+        limits=Limits(),
+        on_ready=tell_how_to_use,
+    )

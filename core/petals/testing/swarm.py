@@ -151,6 +151,26 @@ class ServerProcess(SwarmProcess):
     ready_seconds: float
 
 
+class ApiProcess(SwarmProcess):
+    url: str  # http://127.0.0.1:PORT
+
+    def wait_ready(self, timeout: float = 120) -> ApiProcess:
+        """Wait for the line saying where it serves; sets ``url``."""
+        from petals.cli.api import READY_MESSAGE
+
+        try:
+            line = self.wait_for(
+                lambda: next((line for line in self.stdout_lines if READY_MESSAGE in line), None),
+                timeout,
+                "its ready line",
+            )
+        except BaseException:
+            self.stop()
+            raise
+        self.url = re.search(r" at (http://\S+) ", line).group(1)
+        return self
+
+
 def start_dht(
     *args: str, timeout: float = 90, wait_ready: bool = True, own_process_group: bool = False
 ) -> DhtProcess:
@@ -191,6 +211,16 @@ def start_server(
         process.stop()
         raise
     return process
+
+
+def start_api(
+    model: str | Path, initial_peers: Sequence[str], *args: str, timeout: float = 120, wait_ready: bool = True
+) -> ApiProcess:
+    """``petals api MODEL --loopback --port 0 --initial_peers ...``, by default waiting until it serves."""
+    peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
+    command = ["petals.cli", "api", str(model), "--loopback", "--port", "0", *peers, *args]
+    process = ApiProcess(f"petals api {Path(str(model)).name}", command)
+    return process.wait_ready(timeout) if wait_ready else process
 
 
 @contextlib.contextmanager

@@ -1,0 +1,352 @@
+"""The OpenAI API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Requests are validated before any work (bad parameters: 400, an unknown model: 404), and the first
+event of a generation is awaited before the response starts, so a swarm that lacks blocks is a
+503 naming them rather than a stream that breaks. ``stream: true`` sends server-sent events ending
+with ``data: [DONE]``; a client that disconnects cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from petals.api.service import Chunk, Events, Finished, ModelService, Sampling, ServiceBusyError
+from petals.api.text import StreamingText
+from petals.client.network import SwarmUnreachableError
+from petals.client.routing import MissingBlocksError
+
+MAX_STOP_STRINGS = 4
+
+# accepted when absent or at their default value only: anything else is refused, not silently ignored
+UNSUPPORTED_UNLESS = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we need not know ("user", ...)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# ---- routes --------------------------------------------------------------------------------------
+
+
+def openai_router(service: ModelService) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    created = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {"id": service.model_id, "object": "model", "created": created, "owned_by": "petals"}
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        _check_model(service, model_id)
+        return model_card()
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        _check_common(service, body)
+        try:
+            prompt_ids = service.encode_chat([message.as_template_input() for message in body.messages])
+        except Exception as error:  # jinja template errors: roles out of order, unsupported content
+            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _complete(service, request, body, prompt_ids, max_tokens, _chat_format)
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_common(service, body)
+        prompt_ids = _prompt_ids(service, body.prompt)
+        return await _complete(service, request, body, prompt_ids, body.max_tokens, _completion_format)
+
+    return router
+
+
+def _check_model(service: ModelService, name: str) -> None:
+    if name not in service.names:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{service.model_id}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_common(service: ModelService, body: _GenerationRequest) -> None:
+    _check_model(service, body.model)
+    if body.n not in (None, 1):
+        raise APIError(400, f"n={body.n} is not supported: petals api returns one choice (n=1)", param="n")
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED_UNLESS and value not in UNSUPPORTED_UNLESS[name]:
+            raise APIError(400, f"the parameter '{name}' is not supported by petals api", param=name)
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
+
+
+def _prompt_ids(service: ModelService, prompt: str | list) -> list[int]:
+    if isinstance(prompt, str):
+        return service.encode_text(prompt)
+    if prompt and all(isinstance(item, int) for item in prompt):
+        vocab_size = service.model.config.vocab_size
+        if not all(0 <= item < vocab_size for item in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        return list(prompt)
+    if len(prompt) == 1:
+        return _prompt_ids(service, prompt[0])
+    raise APIError(400, "exactly one prompt per request is supported", param="prompt")
+
+
+def _max_new_tokens(service: ModelService, requested: int | None, prompt_tokens: int) -> int:
+    cap = service.limits.max_new_tokens
+    if requested is not None and requested > cap:
+        raise APIError(
+            400,
+            f"max_tokens={requested} exceeds this server's limit of {cap} (petals api --max_tokens)",
+            param="max_tokens",
+        )
+    if prompt_tokens == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if requested is None and service.context_length is not None:
+        requested = max(min(cap, service.context_length - prompt_tokens), 1)
+    max_new_tokens = requested or cap
+    try:
+        service.check_length(prompt_tokens, max_new_tokens)
+    except ValueError as error:
+        raise APIError(400, str(error), code="context_length_exceeded") from error
+    return max_new_tokens
+
+
+def _sampling(body: _GenerationRequest) -> Sampling:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    return Sampling(temperature=temperature, top_p=body.top_p or 1.0, seed=body.seed)
+
+
+async def _complete(
+    service: ModelService,
+    request: Request,
+    body: _GenerationRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    format: Callable[..., dict[str, Any]],
+):
+    max_new_tokens = _max_new_tokens(service, max_tokens, len(prompt_ids))
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    text = StreamingText(service.tokenizer, stop)
+    try:
+        events = service.stream(prompt_ids, max_new_tokens, _sampling(body), text)
+    except ServiceBusyError as error:
+        raise APIError(503, str(error), type="server_error", code="server_busy") from error
+    reply = _Reply(service.model_id, format)
+    try:
+        first = await _next(events)  # the swarm's errors become a status code before the response starts
+        if not body.stream:
+            return await _collect(reply, events, first, request)
+    except BaseException:
+        events.cancel()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(
+        _server_sent_events(reply, events, first, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _next(events: Events) -> Chunk | Finished:
+    try:
+        return await events.get()
+    except MissingBlocksError as error:
+        raise APIError(503, str(error), type="server_error", code="swarm_missing_blocks") from error
+    except SwarmUnreachableError as error:
+        raise APIError(503, str(error), type="server_error", code="swarm_unreachable") from error
+    except Exception as error:
+        raise APIError(
+            500, f"generation failed: {type(error).__name__}: {error}", type="server_error"
+        ) from error
+
+
+async def _collect(reply: _Reply, events: Events, event: Chunk | Finished, request: Request) -> dict:
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, events))
+    try:
+        parts = []
+        while not isinstance(event, Finished):
+            parts.append(event.text)
+            event = await _next(events)
+        return reply.whole("".join(parts), event)
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, events: Events) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.cancel()
+
+
+async def _server_sent_events(
+    reply: _Reply, events: Events, event: Chunk | Finished, include_usage: bool
+) -> AsyncIterator[str]:
+    try:
+        if reply.chat:  # chat streams open with the assistant's role
+            yield _sse(reply.chunk("", None, include_usage))
+        while not isinstance(event, Finished):
+            if event.text:
+                yield _sse(reply.chunk(event.text, None, include_usage))
+            try:
+                event = await _next(events)
+            except APIError as error:  # the response has started: the error travels as an event
+                yield _sse(error.body())
+                return
+        yield _sse(reply.chunk(None, event.reason, include_usage))
+        if include_usage:
+            yield _sse({**reply.envelope(), "choices": [], "usage": _usage(event)})
+        yield "data: [DONE]\n\n"
+    finally:
+        events.cancel()  # a no-op after [DONE]; stops the generation when the client has gone
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(finished: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+    }
+
+
+# ---- the two response formats --------------------------------------------------------------------
+
+
+class _Reply:
+    """The response objects of one request: chat or text completion (``format`` says which)."""
+
+    def __init__(self, model_id: str, format: Callable[..., dict[str, Any]]) -> None:
+        self.model_id, self.format = model_id, format
+        self.chat = format is _chat_format
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, streamed: bool = True) -> dict[str, Any]:
+        kind = (
+            ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
+        )
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
+
+    def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
+        choice = self.format(text, finish_reason, streamed=True)
+        payload = {**self.envelope(), "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return payload
+
+    def whole(self, text: str, finished: Finished) -> dict[str, Any]:
+        choice = self.format(text, finished.reason, streamed=False)
+        return {**self.envelope(streamed=False), "choices": [choice], "usage": _usage(finished)}
+
+
+def _chat_format(text: str | None, finish_reason: str | None, streamed: bool) -> dict[str, Any]:
+    if not streamed:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    delta: dict[str, Any] = {}
+    if text == "":
+        delta = {"role": "assistant", "content": ""}
+    elif text is not None:
+        delta = {"content": text}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _completion_format(text: str | None, finish_reason: str | None, streamed: bool) -> dict[str, Any]:
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

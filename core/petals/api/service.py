@@ -1,0 +1,259 @@
+"""The one client model behind the APIs: generation in worker threads, streamed to asyncio.
+
+torch and the client block, so every generation runs in a thread of its own and hands its events
+(``Chunk`` of text, then ``Finished``, or the exception) to the event loop through ``Events``. The
+consumer's ``cancel`` reaches the worker at its next token: ``generate`` stops, and leaving the
+inference session closes it on every server, which frees their caches.
+
+Sampling uses a ``torch.Generator`` per request (``SeededSampler``): transformers would draw from
+torch's global generator, which concurrent requests share, so a ``seed`` would reproduce nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from petals.api.text import StreamingText
+
+
+class ServiceBusyError(RuntimeError):
+    """Too many requests are in progress."""
+
+
+class Cancelled(Exception):
+    """The client left before its generation started."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_tokens: int = 1024  # per request (and per WebSocket turn)
+    max_request_bytes: int = 1 << 20
+    max_in_progress: int = 64  # requests running or waiting for the model
+    session_timeout: float = 300.0  # a WebSocket session idle longer than this is closed
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0 means greedy decoding
+    top_p: float = 1.0
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Chunk:
+    text: str
+    tokens: int  # new tokens this text comes from (0 for text released at the end)
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" (end of sequence or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Events:
+    """Events from a worker thread to one asyncio consumer; ``cancelled`` tells the worker to stop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def put(self, event: Any) -> None:
+        """From the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
+            self.cancelled.set()
+
+    async def get(self) -> Any:
+        """The next event; an exception from the worker is raised here."""
+        event = await self._queue.get()
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class ModelService:
+    """``model`` (an ``AutoDistributedModelForCausalLM``) and its tokenizer, shared by all requests."""
+
+    def __init__(self, model, tokenizer, model_id: str, limits: Limits, aliases: Sequence[str] = ()) -> None:
+        self.model, self.tokenizer, self.model_id, self.limits = model, tokenizer, model_id, limits
+        self.names = {model_id, *aliases}
+        self._in_progress = threading.BoundedSemaphore(limits.max_in_progress)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.context_length = getattr(model.config, "max_position_embeddings", None)
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The tokenizer's chat template with the assistant's turn opened; ValueError without one."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.model_id} has no chat template: use /v1/completions with a plain prompt"
+            )
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if self.context_length is not None and prompt_tokens + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_new_tokens}) exceeds the model's "
+                f"context length of {self.context_length} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    # ---- running generation --------------------------------------------------------------------
+
+    def start(self, work: Callable[[Events], None]) -> Events:
+        """Run ``work(events)`` in a new thread; its uncaught exception becomes the last event."""
+        if not self._in_progress.acquire(blocking=False):
+            raise ServiceBusyError(
+                f"{self.limits.max_in_progress} requests are already in progress; retry in a moment"
+            )
+        events = Events()
+
+        def run() -> None:
+            try:
+                work(events)
+            except BaseException as error:  # delivered to the consumer, which decides what the client sees
+                events.put(error)
+            finally:
+                self._in_progress.release()
+
+        threading.Thread(target=run, name="petals-api-generation", daemon=True).start()
+        return events
+
+    @contextlib.contextmanager
+    def session(self, max_length: int, events: Events) -> Iterator[Any]:
+        """An inference session of the shared model, for this worker thread only."""
+        # the model is thread-safe: every request's thread has sessions of its own, side by side
+        if events.cancelled.is_set():  # the client left while waiting for a place
+            raise Cancelled
+        with self.model.inference_session(max_length=max_length) as session:
+            yield session
+
+    def stream(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, text: StreamingText
+    ) -> Events:
+        """One generation in a session of its own: ``Chunk`` events, then ``Finished``."""
+
+        def work(events: Events) -> None:
+            with self.session(len(prompt_ids) + max_new_tokens, events):
+                finished = self.generate(events, prompt_ids, max_new_tokens, sampling, text)
+            events.put(finished)  # after the session is closed: the servers' caches are free again
+
+        return self.start(work)
+
+    def generate(
+        self,
+        events: Events,
+        input_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        text: StreamingText,
+    ) -> Finished:
+        """Generate in the active session, putting a ``Chunk`` per new token; returns how it ended."""
+        step = _Step(text, events, self.eos_token_ids)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,  # SeededSampler draws; greedy search then takes its choice
+            repetition_penalty=sampling.repetition_penalty,
+            eos_token_id=self.eos_token_ids or None,
+            pad_token_id=self.eos_token_ids[0] if self.eos_token_ids else 0,
+        )
+        processors = [] if sampling.greedy else [SeededSampler(sampling)]
+        with torch.no_grad():
+            self.model.generate(
+                torch.tensor([input_ids], dtype=torch.int64),
+                generation_config=config,
+                logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList([step]),
+            )
+        tail = text.flush()
+        if tail:
+            events.put(Chunk(tail, 0))
+        reason = "stop" if step.ended_by_eos or text.stopped else "length"
+        return Finished(reason, len(input_ids), step.count)
+
+
+class _Step(StoppingCriteria):
+    """Called by ``generate`` after every new token: stream its text, stop on a stop string or cancel."""
+
+    def __init__(self, text: StreamingText, events: Events, eos_token_ids: list[int]) -> None:
+        self.text, self.events, self.eos_token_ids = text, events, set(eos_token_ids)
+        self.count = 0
+        self.ended_by_eos = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        token = int(input_ids[0, -1])
+        self.count += 1
+        self.ended_by_eos = token in self.eos_token_ids
+        self.events.put(Chunk(self.text.push(token), 1))
+        stop = self.text.stopped or self.events.cancelled.is_set()
+        return torch.tensor([stop], dtype=torch.bool, device=input_ids.device)
+
+
+class SeededSampler(LogitsProcessor):
+    """Draw the next token with this request's own generator; greedy search then takes that token."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generator = torch.Generator()
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probabilities = torch.softmax(scores.float(), dim=-1)
+        chosen = torch.multinomial(probabilities, 1, generator=self.generator)
+        return torch.full_like(scores, -float("inf")).scatter_(1, chosen, 0.0)
+
+
+def _eos_token_ids(model, tokenizer) -> list[int]:
+    configured = model.generation_config.eos_token_id
+    if configured is None:
+        configured = tokenizer.eos_token_id
+    if configured is None:
+        return []
+    return [configured] if isinstance(configured, int) else list(configured)

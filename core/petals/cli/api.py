@@ -1,0 +1,130 @@
+"""``petals api MODEL --initial_peers ...``: the OpenAI API, the Petals chat API and a chat page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+READY_MESSAGE = "petals api: serving"
+
+
+@click.command("api")
+@click.argument("model")
+@click.option(
+    "--initial_peers", "--initial-peers", multiple=True, required=True, help="Multiaddr of a swarm peer."
+)
+@click.option(
+    "--dht_prefix", "--dht-prefix", default=None, help="DHT prefix of the model (default: derived)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option(
+    "--loopback", is_flag=True, help="Join the swarm on 127.0.0.1 only, no NAT traversal or relays."
+)
+@click.option(
+    "--api_key",
+    "--api-key",
+    envvar="PETALS_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (or set PETALS_API_KEY).",
+)
+@click.option(
+    "--model_id",
+    "--model-id",
+    default=None,
+    help="Model name clients use (default: MODEL; a local folder's name).",
+)
+@click.option(
+    "--max_tokens", "--max-tokens", default=1024, show_default=True, help="Most tokens per request."
+)
+@click.option(
+    "--max_request_bytes",
+    "--max-request-bytes",
+    default=1 << 20,
+    show_default=True,
+    help="Largest request body.",
+)
+@click.option(
+    "--session_timeout",
+    "--session-timeout",
+    default=300.0,
+    show_default=True,
+    help="Seconds a WebSocket session may stay idle.",
+)
+def api_command(
+    model: str,
+    initial_peers: tuple[str, ...],
+    dht_prefix: str | None,
+    host: str,
+    port: int,
+    loopback: bool,
+    api_key: str | None,
+    model_id: str | None,
+    max_tokens: int,
+    max_request_bytes: int,
+    session_timeout: float,
+) -> None:
+    """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
+    from petals.api.service import Limits
+
+    limits = Limits(
+        max_new_tokens=max_tokens, max_request_bytes=max_request_bytes, session_timeout=session_timeout
+    )
+    run_api(
+        model,
+        list(initial_peers),
+        host=host,
+        port=port,
+        loopback=loopback,
+        api_key=api_key,
+        model_id=model_id,
+        limits=limits,
+        dht_prefix=dht_prefix,
+    )
+
+
+def run_api(
+    model: str,
+    initial_peers: list[str],
+    *,
+    host: str,
+    port: int,
+    loopback: bool,
+    limits,
+    api_key: str | None = None,
+    model_id: str | None = None,
+    dht_prefix: str | None = None,
+    on_ready: Callable[[str, str], None] | None = None,
+) -> None:
+    """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
+    try:
+        from petals.api.app import bind, create_app, serve
+        from petals.api.service import ModelService
+    except ImportError as error:
+        raise click.ClickException(
+            f"petals api needs its extra ({error.name} is missing): pip install 'petals-core[api]'"
+        ) from error
+    from transformers import AutoTokenizer
+
+    from petals import AutoDistributedModelForCausalLM
+    from petals.testing.swarm import LOOPBACK_CLIENT
+
+    sock = bind(host, port)  # before loading: a taken port fails at once
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    distributed = AutoDistributedModelForCausalLM.from_pretrained(
+        model, initial_peers=initial_peers, dht_prefix=dht_prefix, **(LOOPBACK_CLIENT if loopback else {})
+    )
+    try:
+        model_id = model_id or (Path(model).name if Path(model).is_dir() else model)
+        service = ModelService(distributed, tokenizer, model_id, limits, aliases=[model])
+        address = sock.getsockname()
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"
+        click.echo(f"{READY_MESSAGE} {model_id} at {url} (OpenAI base URL {url}/v1, chat page {url}/)")
+        if on_ready is not None:
+            on_ready(url, model_id)
+        serve(create_app(service, api_key), sock, service)
+    finally:
+        distributed.close()
+        sock.close()
