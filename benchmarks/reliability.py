@@ -160,7 +160,7 @@ def _bad_tensors(rng: random.Random) -> runtime_pb2.ExpertRequest:
     elif mutation == 3:
         del bad.size[:]
         bad.size.extend(
-            rng.choice([[1, 2], [1, 1, 1, HIDDEN], [-1, 2, HIDDEN], [2**30, 2**30, HIDDEN], [0, 0, HIDDEN]])
+            rng.choice([[1, 2], [1, 1, 1, HIDDEN], [3, 2, HIDDEN], [2**30, 2**30, HIDDEN], [0, 0, HIDDEN]])
         )
     elif mutation == 4:
         bad.compression = rng.choice([2, 3, 4, 5, 99, -1])
