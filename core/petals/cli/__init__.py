@@ -19,6 +19,7 @@ LAZY_COMMANDS = {
     "dht": "petals.cli.run_dht:dht_command",
     "demo": "petals.cli.demo:demo_command",
     "generate": "petals.cli.generate:generate_command",
+    "chat": "petals.cli.chat:chat_command",
 }
 
 

@@ -14,14 +14,17 @@ from typing import Any
 
 import click
 
-from petals.cli.run_server import configure_logging, resume_gc
+from petals.cli.errors import PetalsCommand, configure_logging
+from petals.cli.run_server import resume_gc
 from petals.networking import network_cli_options, network_options_from_cli, option, split_words
 
 logger = logging.getLogger(__name__)
 
 
 @click.command(
-    "dht", context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]}
+    "dht",
+    cls=PetalsCommand,
+    context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]},
 )
 @option(
     "--refresh_period", type=float, default=30, show_default=True, help="Seconds between status log lines."

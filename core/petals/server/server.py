@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
+from tqdm import tqdm
 
 import petals
 from petals.auto import AutoDistributedConfig
@@ -51,8 +53,10 @@ class ServerSettings:
     num_blocks: int | None = None
     block_indices: range | None = None
     dht_prefix: str | None = None
-    token: str | None = None
+    token: str | bool | None = None
+    revision: str | None = None
     cache_dir: Path | None = None
+    max_disk_space: int | None = None  # bytes the hub cache may use (petals.disk_cache)
     max_batch_size: int = 2048
     inference_max_length: int = 2048
     attn_cache_tokens: int = 8192
@@ -74,7 +78,11 @@ class Server:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.config = AutoDistributedConfig.from_pretrained(
-            settings.model, dht_prefix=settings.dht_prefix, cache_dir=settings.cache_dir, token=settings.token
+            settings.model,
+            dht_prefix=settings.dht_prefix,
+            cache_dir=settings.cache_dir,
+            token=settings.token,
+            revision=settings.revision,
         )
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
@@ -82,6 +90,7 @@ class Server:
         self.expiration = settings.expiration or max(2 * settings.update_period, 3)
         self.stop = asyncio.Event()
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
+        self.using_relay = False  # set on joining: reachable only through a relay
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly."""
@@ -90,7 +99,9 @@ class Server:
         node = await DHTNode.create(
             p2p=p2p, initial_peers=list(self.settings.network.initial_peers), num_workers=self.total_blocks
         )
-        maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
+        visible = await p2p.get_visible_maddrs()
+        self.using_relay = is_relayed(visible)
+        maddrs = " ".join(map(str, visible))
         logger.info(
             "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
         )
@@ -149,7 +160,7 @@ class Server:
             adapters=self.settings.adapters,
             torch_dtype=str(self.settings.dtype).removeprefix("torch."),
             quant_type=self.settings.quant_type,
-            using_relay=False,
+            using_relay=self.using_relay,
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
@@ -225,12 +236,17 @@ class ServingSpan:
 
     def _load_blocks(self) -> list[BlockBackend]:
         checkpoint = Checkpoint.open(
-            self.settings.model, cache_dir=self.settings.cache_dir, token=self.settings.token
+            self.settings.model,
+            cache_dir=self.settings.cache_dir,
+            token=self.settings.token,
+            revision=self.settings.revision,
+            max_disk_space=self.settings.max_disk_space,
         )
         backends = []
         hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
+        started, loaded_bytes = time.perf_counter(), 0
+        progress = tqdm(total=len(self.blocks), desc="Loading blocks", unit="block", file=sys.stderr)
         for count, index in enumerate(self.blocks, start=1):
-            started = time.perf_counter()
             block = load_block(
                 self.settings.model,
                 index,
@@ -259,13 +275,11 @@ class ServingSpan:
                     self.settings.device,
                 )
             )
-            logger.info(
-                "Loaded block %d (%d/%d) in %.2f s",
-                index,
-                count,
-                len(self.blocks),
-                time.perf_counter() - started,
-            )
+            loaded_bytes += block_weight_bytes(module)
+            progress.set_postfix_str(f"block {index}, {loaded_bytes / 2**20:.1f} MiB", refresh=False)
+            progress.update()
+        progress.close()
+        logger.info("Loaded %d blocks in %.2f s", len(self.blocks), time.perf_counter() - started)
         return backends
 
     async def serve_until_moved(self) -> range | None:
@@ -350,6 +364,11 @@ class ServingSpan:
                 await self._announce(self.state)
             except Exception as error:
                 logger.warning("Announcing to the DHT failed: %s", error)
+
+
+def is_relayed(maddrs) -> bool:
+    """Whether every address others can reach us at goes through a relay (``/p2p-circuit``)."""
+    return bool(maddrs) and all("/p2p-circuit" in str(maddr) for maddr in maddrs)
 
 
 def _bounds(blocks: range) -> tuple[int, int]:
