@@ -178,12 +178,19 @@ class PetalsCommand(click.Command):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
+        except (click.UsageError, click.exceptions.Exit, click.Abort):
             raise
         except Exception as error:
-            message = explain(error)
-            if message is None:
-                raise
+            failure = error if isinstance(error, click.ClickException) else _known_failure(error)
+            if failure is None:
+                raise  # not a known failure: a bug, whose traceback is worth seeing
             if log_level() == "DEBUG":
                 traceback.print_exception(error)
-            raise PetalsCliError(message) from error
+            if failure is error:
+                raise
+            raise failure from error
+
+
+def _known_failure(error: Exception) -> PetalsCliError | None:
+    message = explain(error)
+    return PetalsCliError(message) if message is not None else None

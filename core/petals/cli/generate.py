@@ -73,13 +73,14 @@ def status(message: str) -> None:
 
 def connect(model: str, options: dict[str, Any]):
     """The tokenizer and the distributed model, saying what happens while it joins the swarm."""
+    from petals.cli.run_server import check_local_path
+
+    check_local_path(model)  # before the slow imports
     from transformers import AutoTokenizer
 
     from petals import AutoDistributedModelForCausalLM
-    from petals.cli.run_server import check_local_path
     from petals.testing.swarm import LOOPBACK_CLIENT
 
-    check_local_path(model)
     status(f"Loading the tokenizer and the local layers of {model}...")
     tokenizer = AutoTokenizer.from_pretrained(model)
     peers = list(options["initial_peers"])

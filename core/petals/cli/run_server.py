@@ -214,6 +214,9 @@ def settings_from_cli(model: str, options: dict[str, Any]):
     """Check the option combinations, then ``build_settings``."""
     options["tensor_parallel_devices"] = split_words(options["tensor_parallel_devices"])
     options["adapters"] = split_words(options["adapters"])
+    check_local_path(model)  # before the slow imports: a typo fails at once
+    for name in options["adapters"]:
+        check_local_path(name, "adapter")
     if options["tensor_parallel_devices"] and (
         options["quant_type"] not in (None, "none") or options["adapters"]
     ):
@@ -258,7 +261,6 @@ def build_settings(model: str, network, options: dict[str, Any]):
     from petals.server.throughput import ThroughputInfo, get_server_throughput
 
     cache_dir = Path(options["cache_dir"]) if options["cache_dir"] else None
-    check_local_path(model)
     try:
         config = AutoDistributedConfig.from_pretrained(
             model,
@@ -386,8 +388,6 @@ def check_adapters(adapters: tuple[str, ...], **hub_kwargs) -> dict[str, Path]:
     """Each adapter's safetensors weights (downloaded if needed); a missing or pickle-only one stops the start."""
     from petals.convert import AdapterError, adapter_files
 
-    for name in adapters:
-        check_local_path(name, "adapter")
     try:
         return {name: adapter_files(name, name, **hub_kwargs)[1] for name in adapters}
     except (AdapterError, OSError) as error:
