@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from petals.cli.original_options import NO_EFFECT
 from petals.cli.run_server import serve_command
 from petals.server.server import READY_MESSAGE
@@ -65,5 +67,7 @@ def test_a_server_started_with_the_original_options_serves_and_says_what_has_no_
             server.wait_for_log(READY_MESSAGE, timeout=120)
             log = server.log
     assert "Hosting blocks 0:2 of renamed-prefix" in log
+    # block loading is one progress bar, counting blocks and the MiB loaded
+    assert re.search(r"Loading blocks: 100%.* 2/2 .*block 1, [\d.]+ MiB", log), log
     for name in NO_EFFECT:
         assert log.count(f"--{name} has no effect here") == 1, log

@@ -9,6 +9,7 @@ tokens, the chat says so and waits for ``/reset``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -30,18 +31,19 @@ class Conversation:
     def __init__(self, tokenizer, model, max_length: int, system: str | None) -> None:
         self.tokenizer, self.model, self.max_length = tokenizer, model, max_length
         self.start = [{"role": "system", "content": system}] if system else []
+        self._open()
+
+    def _open(self) -> None:
         self.messages = list(self.start)
-        self._session_context = model.inference_session(max_length=max_length)
-        self.session = self._session_context.__enter__()
+        self._session = contextlib.ExitStack()
+        self.session = self._session.enter_context(self.model.inference_session(max_length=self.max_length))
 
     def close(self) -> None:
-        self._session_context.__exit__(None, None, None)
+        self._session.close()
 
     def reset(self) -> None:
         self.close()
-        self.messages = list(self.start)
-        self._session_context = self.model.inference_session(max_length=self.max_length)
-        self.session = self._session_context.__enter__()
+        self._open()
 
     def new_tokens(self, user_message: str):
         """The tokens this turn adds: the chat template's rendering beyond what the session has seen."""
