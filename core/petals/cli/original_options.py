@@ -3,7 +3,8 @@
 Renamed ones are second names of ours (``--stats_report_interval`` is ``--stats_period``,
 ``--prefix`` is ``--dht_prefix``). Of the rest, those that mean something here are honoured:
 ``--converted_model_name_or_path``, ``--use_auth_token``, ``--daemon_startup_timeout``,
-``--no_auto_relay``, ``--increase_file_limit``, ``--revision``, ``--max_disk_space``. The others
+``--no_auto_relay``, ``--increase_file_limit``, ``--revision``, ``--max_disk_space``,
+``--skip_reachability_check``. The others
 (``NO_EFFECT``) are accepted so that existing command lines and config files keep working, and
 each logs one line saying why it does nothing in this design.
 """
@@ -35,11 +36,6 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
     ),
     "mean_block_selection_delay": (float, "servers choose blocks from the DHT as soon as they have joined"),
     "max_alloc_timeout": (float, "a client's alloc_timeout is capped by --request_timeout instead"),
-    "skip_reachability_check": (
-        bool,
-        "no outside service is asked whether this server is reachable (Petals asked health.petals.dev); "
-        "using_relay is read from the server's own addresses",
-    ),
 }
 
 SIZE_UNITS = {
@@ -88,6 +84,11 @@ def original_petals_options(command: Callable) -> Callable:
             flag_value=4096,
             help="Raise the open-file limit to this many (4096 without a value; 0 keeps it).",
         ),
+        option(
+            "--skip_reachability_check",
+            is_flag=True,
+            help="Do not ask other peers whether they can connect to this server directly.",
+        ),
         option("--revision", help="Model revision (branch, tag or commit) on the Hugging Face hub."),
         option(
             "--max_disk_space",
@@ -96,11 +97,7 @@ def original_petals_options(command: Callable) -> Callable:
             "recently used files of other models.",
         ),
         *(
-            option(
-                f"--{name}",
-                **({"is_flag": True} if kind is bool else {"type": kind}),
-                help=f"Accepted for compatibility; no effect: {why}.",
-            )
+            option(f"--{name}", type=kind, help=f"Accepted for compatibility; no effect: {why}.")
             for name, (kind, why) in NO_EFFECT.items()
         ),
     ]
@@ -125,7 +122,7 @@ def apply_original_options(model: str | None, options: dict[str, Any]) -> str:
     if file_limit:
         increase_file_limit(file_limit)
     for name, (_, why) in NO_EFFECT.items():
-        if options.pop(name) not in (None, False):
+        if options.pop(name) is not None:
             logger.info("--%s has no effect here: %s", name, why)
     return model
 

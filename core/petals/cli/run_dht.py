@@ -43,6 +43,8 @@ def dht_command(refresh_period: float, **options: Any) -> None:
 def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
     from hivemind.dht import DHTNode
 
+    from petals.reachability import ReachabilityProtocol
+
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
         host_maddrs=split_words(options.pop("host_maddrs")),
@@ -58,6 +60,7 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> None:
             loop.add_signal_handler(signum, stop.set)
         p2p = await network.create_p2p()
         node = await DHTNode.create(p2p=p2p, initial_peers=list(network.initial_peers))
+        await ReachabilityProtocol(p2p).add_p2p_handlers(p2p)  # servers ask us whether they are reachable
         try:
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))

@@ -345,6 +345,7 @@ def build_settings(model: str, network, options: dict[str, Any]):
         revision=options["revision"],
         cache_dir=cache_dir,
         max_disk_space=options["max_disk_space"],
+        skip_reachability_check=options["skip_reachability_check"],
         max_batch_size=options["max_batch_size"] or (8192 if grouped_kv else 2048),
         inference_max_length=options["inference_max_length"] or (8192 if grouped_kv else 2048),
         attn_cache_tokens=attn_cache_tokens,

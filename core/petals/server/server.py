@@ -27,6 +27,7 @@ from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, declare_model, expiration_from_now, get_remote_module_infos
 from petals.loading import Checkpoint, load_block
 from petals.networking import NetworkOptions
+from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
@@ -57,6 +58,7 @@ class ServerSettings:
     revision: str | None = None
     cache_dir: Path | None = None
     max_disk_space: int | None = None  # bytes the hub cache may use (petals.disk_cache)
+    skip_reachability_check: bool = False
     max_batch_size: int = 2048
     inference_max_length: int = 2048
     attn_cache_tokens: int = 8192
@@ -105,6 +107,8 @@ class Server:
         logger.info(
             "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
         )
+        await ReachabilityProtocol(p2p).add_p2p_handlers(p2p)  # answer other peers' checks
+        checking = asyncio.create_task(self._check_reachability(p2p, node))
         compute = ComputeQueue()
         compute.start()
         try:
@@ -118,10 +122,29 @@ class Server:
                 finally:
                     await span.leave()
         finally:
+            checking.cancel()
             compute.shutdown()
             await node.shutdown()
             await p2p.shutdown()
             logger.info("Left the swarm")
+
+    async def _check_reachability(self, p2p: P2P, node: DHTNode) -> None:
+        """Ask DHT neighbours to dial back; if they cannot, others reach us only through relays."""
+        if (
+            self.using_relay
+            or self.settings.skip_reachability_check
+            or not self.settings.network.initial_peers
+            or all(is_loopback(maddr) for maddr in await p2p.get_visible_maddrs())
+        ):
+            return  # a loopback-only peer is reachable from this machine alone: nothing to ask
+        neighbours = list(node.protocol.routing_table.peer_id_to_uid)
+        if await check_direct_reachability(p2p, neighbours) is False:
+            self.using_relay = True  # announced from the next update on
+            logger.warning(
+                "Other peers cannot connect to this server directly (it is behind NAT or a firewall, or "
+                "announces addresses they cannot reach): clients reach it only through relays, if any. "
+                "Open a TCP port and pass --port PORT --public_ip YOUR_IP"
+            )
 
     async def _until_stopped(self, coroutine) -> bool:
         """Run ``coroutine`` unless the server is stopped first (then cancel it and return False)."""
@@ -364,6 +387,10 @@ class ServingSpan:
                 await self._announce(self.state)
             except Exception as error:
                 logger.warning("Announcing to the DHT failed: %s", error)
+
+
+def is_loopback(maddr) -> bool:
+    return str(maddr).startswith(("/ip4/127.", "/ip6/::1/"))
 
 
 def is_relayed(maddrs) -> bool:
