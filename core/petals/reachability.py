@@ -12,6 +12,7 @@ nobody can make it dial addresses of their choice.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID, ServicerBase
@@ -29,6 +30,7 @@ class ReachabilityProtocol(ServicerBase):
 
     def __init__(self, p2p: P2P) -> None:
         self.p2p = p2p
+        self._one_probe_at_a_time = asyncio.Lock()  # a flood of checks must not start a flood of daemons
 
     async def rpc_check(self, request: dht_pb2.PingRequest, context: P2PContext) -> dht_pb2.PingResponse:
         check_peer = PeerID(request.peer.node_id)
@@ -36,7 +38,8 @@ class ReachabilityProtocol(ServicerBase):
             return dht_pb2.PingResponse(available=True)
         if check_peer != context.remote_id:
             return dht_pb2.PingResponse(available=False)  # we check only the peer that asks
-        return dht_pb2.PingResponse(available=await dials_directly(self.p2p, check_peer))
+        async with self._one_probe_at_a_time:
+            return dht_pb2.PingResponse(available=await dials_directly(self.p2p, check_peer))
 
 
 async def dials_directly(p2p: P2P, peer_id: PeerID) -> bool:
