@@ -57,7 +57,8 @@ def test_no_plugins_gives_a_clear_error(tmp_path):
     )
     assert failed.returncode != 0
     assert "model type 'llama' has no installed plugin; installed: none" in failed.stderr
-    assert "pip install petals-llama" in failed.stderr
+    # the hint names no package that may not exist (model types and distribution names differ)
+    assert "Install a plugin that registers 'llama'" in failed.stderr and "pip install" not in failed.stderr
 
 
 def test_blocked_plugin_names_the_remaining_ones(tmp_path):

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import hf_hub_download
+from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.constants import HF_HUB_CACHE
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from petals.block import make_block
+from petals.disk_cache import cache_lock, make_room, mark_used
 from petals.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class Checkpoint:
     source: str
     weight_map: dict[str, str]  # tensor name -> file name inside the checkpoint
     hub_kwargs: dict
+    max_disk_space: int | None = None  # bytes the hub cache may use (see petals.disk_cache)
 
     @classmethod
     def open(
@@ -50,18 +53,19 @@ class Checkpoint:
         cache_dir: str | os.PathLike | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
+        max_disk_space: int | None = None,
     ) -> Checkpoint:
         source = str(model_name_or_path)
         hub_kwargs = {"cache_dir": cache_dir, "revision": revision, "token": token}
-        checkpoint = cls(source, {}, hub_kwargs)
+        checkpoint = cls(source, {}, hub_kwargs, max_disk_space)
         index = checkpoint._fetch(SAFE_INDEX)
         if index is not None:
             weight_map = json.loads(index.read_text())["weight_map"]
-            return cls(source, weight_map, hub_kwargs)
+            return cls(source, weight_map, hub_kwargs, max_disk_space)
         single = checkpoint._fetch(SAFE_SINGLE)
         if single is not None:
             with safe_open(single, framework="pt") as file:
-                return cls(source, dict.fromkeys(file.keys(), SAFE_SINGLE), hub_kwargs)
+                return cls(source, dict.fromkeys(file.keys(), SAFE_SINGLE), hub_kwargs, max_disk_space)
         if any(checkpoint._fetch(name) is not None for name in PICKLE_FILES):
             raise CheckpointError(
                 f"{source} has only pickle weights (pytorch_model.bin); petals loads safetensors only, "
@@ -76,7 +80,11 @@ class Checkpoint:
             path = local / filename
             return path if path.is_file() else None
         try:
-            return Path(hf_hub_download(self.source, filename, **self.hub_kwargs))
+            if self.max_disk_space is not None:
+                return self._download_within_bound(filename)
+            path = Path(hf_hub_download(self.source, filename, **self.hub_kwargs))
+            mark_used(path)
+            return path
         except EntryNotFoundError:
             return None
         except LocalEntryNotFoundError as error:
@@ -85,6 +93,20 @@ class Checkpoint:
             raise CheckpointError(
                 f"cannot find {self.source}/{filename} locally or on the hub: {error}"
             ) from error
+
+    def _download_within_bound(self, filename: str) -> Path:
+        """A hub file, downloaded only after ``make_room`` found space for it under ``max_disk_space``."""
+        try:
+            path = Path(hf_hub_download(self.source, filename, local_files_only=True, **self.hub_kwargs))
+        except LocalEntryNotFoundError:
+            cache_dir = Path(self.hub_kwargs["cache_dir"] or HF_HUB_CACHE)
+            url = hf_hub_url(self.source, filename, revision=self.hub_kwargs["revision"])
+            with cache_lock(cache_dir):
+                size = get_hf_file_metadata(url, token=self.hub_kwargs["token"]).size or 0
+                make_room(size, cache_dir, self.max_disk_space, keep_repo=self.source)
+                path = Path(hf_hub_download(self.source, filename, **self.hub_kwargs))
+        mark_used(path)
+        return path
 
     def block_keys(self, block_prefix: str, block_index: int) -> tuple[str, list[str]]:
         """The prefix used for this block in this checkpoint and the tensor names under it.

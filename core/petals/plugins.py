@@ -117,11 +117,11 @@ class PluginManager(pluggy.PluginManager):
         if model_type in families:
             return families[model_type]
         installed = ", ".join(sorted(families)) or "none"
-        hint = f"pip install petals-{model_type.replace('_', '-')}"
         failed = "".join(f"; plugin {f.name!r} failed to load ({f.error})" for f in self.failures)
         raise UnknownModelTypeError(
             f"model type {model_type!r} has no installed plugin; installed: {installed}{failed}. "
-            f"Install the plugin for this family (e.g. `{hint}`) or write one (see plugins/README.md)."
+            f"Install a plugin that registers {model_type!r} (a distribution with an entry point in group "
+            f"'petals'; `petals plugins` lists what is installed) or write one (see plugins/README.md)."
         )
 
     def plugin_names(self) -> list[str]:

@@ -22,6 +22,7 @@ LAZY_COMMANDS = {
     "api": "petals.cli.api:api_command",
     "health": "petals.cli.health:health_command",
     "monitor": "petals.cli.monitor:monitor_command",
+    "chat": "petals.cli.chat:chat_command",
 }
 
 

@@ -1,61 +1,114 @@
-"""``petals generate MODEL --initial_peers ... "prompt"``: stream a completion from any swarm."""
+"""``petals generate MODEL --initial_peers ... "prompt"``: stream a completion from any swarm.
+
+What it is doing (loading the tokenizer and local weights, joining, routing) goes to stderr, so
+that stdout holds only the generated text.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
-# what a client passes to stay on this machine: listen on 127.0.0.1 only, no NAT traversal or relays
-LOOPBACK_CLIENT = {
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-    "nat_port_map": False,
-    "auto_nat": False,
-    "use_relay": False,
-}
+from petals.cli.errors import PetalsCommand, configure_logging
 
 
-@click.command("generate")
+def client_options(command: Callable) -> Callable:
+    """The options shared by ``petals generate`` and ``petals chat``: where the swarm is, how to sample."""
+    options = [
+        click.option(
+            "--initial_peers",
+            "--initial-peers",
+            multiple=True,
+            required=True,
+            help="Multiaddr of a swarm peer.",
+        ),
+        click.option(
+            "--dht_prefix", "--dht-prefix", default=None, help="DHT prefix of the model (default: derived)."
+        ),
+        click.option("--max_new_tokens", "--max-new-tokens", default=64, show_default=True),
+        click.option("--temperature", default=0.0, show_default=True, help="0 means greedy decoding."),
+        click.option("--top_p", "--top-p", default=1.0, show_default=True),
+        click.option("--seed", default=None, type=int, help="Seed for sampling."),
+        click.option(
+            "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
+        ),
+    ]
+    for decorate in reversed(options):
+        command = decorate(command)
+    return command
+
+
+@click.command("generate", cls=PetalsCommand)
 @click.argument("model")
 @click.argument("prompt")
-@click.option(
-    "--initial_peers", "--initial-peers", multiple=True, required=True, help="Multiaddr of a swarm peer."
-)
-@click.option(
-    "--dht_prefix", "--dht-prefix", default=None, help="DHT prefix of the model (default: derived)."
-)
-@click.option("--max_new_tokens", "--max-new-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 means greedy decoding.")
-@click.option("--top_p", "--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=None, type=int, help="Seed for sampling.")
+@client_options
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
-@click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays.")
-def generate_command(
-    model, prompt, initial_peers, dht_prefix, max_new_tokens, temperature, top_p, seed, chat, loopback
-):
+def generate_command(model: str, prompt: str, chat: bool, **options: Any) -> None:
     """Generate text with MODEL's blocks served by a swarm, streaming tokens as they come."""
-    import torch
-    from transformers import AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
+
+    configure_logging()
+    tokenizer, distributed = connect(model, options)
+    try:
+        inputs = encode(tokenizer, prompt, chat)
+        max_length = inputs["input_ids"].shape[1] + options["max_new_tokens"]
+        status("Routing through the swarm...")
+        with distributed.inference_session(max_length=max_length) as session:
+            distributed.generate(
+                **inputs,
+                streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                **sampling_kwargs(options),
+            )
+            status(f"Route: {describe_route(session.route)}")
+    finally:
+        distributed.close()
+
+
+def status(message: str) -> None:
+    """What the command is doing, on stderr (stdout is for generated text)."""
+    click.echo(message, err=True)
+
+
+def connect(model: str, options: dict[str, Any]):
+    """The tokenizer and the distributed model, saying what happens while it joins the swarm."""
+    from petals.cli.run_server import check_local_path
+
+    check_local_path(model)  # before the slow imports
+    from transformers import AutoTokenizer
 
     from petals import AutoDistributedModelForCausalLM
     from petals.testing.swarm import LOOPBACK_CLIENT
 
+    status(f"Loading the tokenizer and the local layers of {model}...")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    network_options = LOOPBACK_CLIENT if loopback else {}
+    peers = list(options["initial_peers"])
+    status(f"Joining the swarm through {len(peers)} initial peer(s)...")
     distributed = AutoDistributedModelForCausalLM.from_pretrained(
-        model, initial_peers=list(initial_peers), dht_prefix=dht_prefix, **network_options
+        model,
+        initial_peers=peers,
+        dht_prefix=options["dht_prefix"],
+        **(LOOPBACK_CLIENT if options["loopback"] else {}),
     )
-    try:
-        inputs = encode(tokenizer, prompt, chat)
-        if seed is not None:
-            torch.manual_seed(seed)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else {}
-        distributed.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-            **sampling,
-        )
-    finally:
-        distributed.remote_blocks.network.close()
+    return tokenizer, distributed
+
+
+def sampling_kwargs(options: dict[str, Any]) -> dict:
+    import torch
+
+    if options["seed"] is not None:
+        torch.manual_seed(options["seed"])
+    kwargs = {"max_new_tokens": options["max_new_tokens"]}
+    if options["temperature"] > 0:
+        kwargs.update(do_sample=True, temperature=options["temperature"], top_p=options["top_p"])
+    return kwargs
+
+
+def describe_route(route) -> str:
+    return (
+        ", ".join(f"blocks {span.start}:{span.end} on ...{str(span.peer_id)[-8:]}" for span in route) or "-"
+    )
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> dict:

@@ -13,7 +13,8 @@ from typing import Any, NoReturn
 
 import click
 
-from petals.cli.run_server import configure_logging, resume_gc
+from petals.cli.errors import PetalsCommand, configure_logging
+from petals.cli.run_server import resume_gc
 from petals.cli.stopping import StopSignals, exit_without_teardown
 from petals.networking import (
     leave_network,
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 @click.command(
-    "dht", context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]}
+    "dht",
+    cls=PetalsCommand,
+    context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]},
 )
 @option(
     "--refresh_period", type=float, default=30, show_default=True, help="Seconds between status log lines."
@@ -45,6 +48,7 @@ def dht_command(refresh_period: float, **options: Any) -> None:
 
 def run_dht(refresh_period: float, options: dict[str, Any]) -> NoReturn:
     from petals.dht import create_node
+    from petals.reachability import ReachabilityProtocol
 
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
@@ -61,6 +65,7 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> NoReturn:
         node = None
         try:
             node = await create_node(p2p, network.initial_peers)
+            await ReachabilityProtocol(p2p).add_p2p_handlers(p2p)  # servers ask us whether they are reachable
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))
             click.get_text_stream("stdout").flush()

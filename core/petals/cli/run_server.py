@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import gc
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
+from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging, require_optional
+from petals.cli.original_options import apply_original_options, original_petals_options
 from petals.networking import exclusive, network_cli_options, network_options_from_cli, option, split_words
 
 logger = logging.getLogger(__name__)
@@ -95,9 +97,11 @@ def _taking_following_words(process):
 
 
 @click.command(
-    "serve", context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]}
+    "serve",
+    cls=PetalsCommand,
+    context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]},
 )
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option(
     "-c",
     "--config",
@@ -115,7 +119,11 @@ def _taking_following_words(process):
 @option(
     "--block_indices", callback=parse_block_indices, help="Host exactly blocks START:END (no rebalancing)."
 )
-@option("--dht_prefix", help="DHT key prefix (default: derived from the model name by its family's rule).")
+@option(
+    "--dht_prefix",
+    "--prefix",
+    help="DHT key prefix (default: derived from the model name by its family's rule).",
+)
 @option(
     "--torch_dtype", type=click.Choice(DTYPES), default="auto", show_default=True, help="Dtype to serve in."
 )
@@ -145,13 +153,6 @@ def _taking_following_words(process):
     callback=parse_throughput,
     help="auto (measure once, cached), eval (measure again), dry_run (measure, print, exit) or a number.",
 )
-@option(
-    "--num_handlers",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Accepted for compatibility; requests are served by one asyncio loop.",
-)
 @option("--max_batch_size", type=click.IntRange(min=1), help="Max tokens (batch × length) per request.")
 @option("--inference_max_length", type=click.IntRange(min=1), help="Max max_length of an inference session.")
 @option("--attn_cache_tokens", type=click.IntRange(min=1), help="KV-cache budget in tokens per hosted block.")
@@ -178,14 +179,21 @@ def _taking_following_words(process):
     show_default=True,
     help="Mean seconds between rebalancing checks.",
 )
-@option("--stats_period", type=float, default=60, show_default=True, help="Seconds between status log lines.")
+@option(
+    "--stats_period",
+    "--stats_report_interval",
+    type=float,
+    default=60,
+    show_default=True,
+    help="Seconds between status log lines.",
+)
 @option(
     "--cache_dir",
     type=click.Path(file_okay=False),
     help="Hugging Face cache for downloaded weights (default: HF's) and home of the throughput cache "
     "(default: $PETALS_CACHE or ~/.cache/petals).",
 )
-@option("--max_disk_space", help="Accepted for compatibility; disk space is not managed yet.")
+@original_petals_options
 @option(
     "--metrics_port",
     type=click.IntRange(1, 65535),
@@ -193,11 +201,12 @@ def _taking_following_words(process):
 )
 @option("--metrics_host", default="127.0.0.1", show_default=True, help="Address to serve --metrics_port on.")
 @network_cli_options
-def serve_command(model: str, **options: Any) -> None:
+def serve_command(model: str | None, **options: Any) -> None:
     """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
     configure_logging()
     gc.disable()  # until the server is ONLINE: see collect_startup_garbage
     try:
+        model = apply_original_options(model, options)
         metrics_address = options.pop("metrics_host"), options.pop("metrics_port")
         settings = settings_from_cli(model, options)
         if settings is not None:
@@ -213,6 +222,9 @@ def settings_from_cli(model: str, options: dict[str, Any]):
     """Check the option combinations, then ``build_settings``."""
     options["tensor_parallel_devices"] = split_words(options["tensor_parallel_devices"])
     options["adapters"] = split_words(options["adapters"])
+    check_local_path(model)  # before the slow imports: a typo fails at once
+    for name in options["adapters"]:
+        check_local_path(name, "adapter")
     if options["tensor_parallel_devices"] and (
         options["quant_type"] not in (None, "none") or options["adapters"]
     ):
@@ -229,6 +241,7 @@ def settings_from_cli(model: str, options: dict[str, Any]):
         announce_maddrs=split_words(options.pop("announce_maddrs")),
         **{name: options.pop(name) for name in NETWORK_SCALARS},
     )
+    network = dataclasses.replace(network, startup_timeout=options.pop("daemon_startup_timeout"))
     return build_settings(model, network, options)
 
 
@@ -258,10 +271,14 @@ def build_settings(model: str, network, options: dict[str, Any]):
     cache_dir = Path(options["cache_dir"]) if options["cache_dir"] else None
     try:
         config = AutoDistributedConfig.from_pretrained(
-            model, dht_prefix=options["dht_prefix"], cache_dir=cache_dir, token=options["token"]
+            model,
+            dht_prefix=options["dht_prefix"],
+            cache_dir=cache_dir,
+            token=options["token"],
+            revision=options["revision"],
         )
     except (PluginError, OSError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
+        raise PetalsCliError(str(error)) from error
     try:
         tensor_parallel_devices = tuple(map(torch.device, options["tensor_parallel_devices"]))
     except RuntimeError as error:
@@ -274,6 +291,7 @@ def build_settings(model: str, network, options: dict[str, Any]):
     quant_type = options["quant_type"] or (
         "nf4" if device.type == "cuda" and not tensor_parallel_devices else "none"
     )
+    require_optional_packages(quant_type, tensor_parallel_devices, options["adapters"])
     adapter_weights = check_adapters(options["adapters"], cache_dir=cache_dir, token=options["token"])
     grouped_kv = config.num_key_value_groups > 1  # Petals' defaults are larger for GQA/multi-query models
     attn_cache_tokens = options["attn_cache_tokens"] or (16384 if grouped_kv else 4096)
@@ -286,7 +304,11 @@ def build_settings(model: str, network, options: dict[str, Any]):
     if blocks is not None:
         num_blocks = len(blocks)
     elif options["num_blocks"] is not None:
-        num_blocks = min(options["num_blocks"], total_blocks)
+        num_blocks = options["num_blocks"]
+        if num_blocks > total_blocks:
+            raise click.BadParameter(
+                f"{num_blocks} blocks asked, but the model has {total_blocks}", param_hint="--num_blocks"
+            )
     else:
         try:
             num_blocks, _ = plan_num_blocks(
@@ -299,7 +321,7 @@ def build_settings(model: str, network, options: dict[str, Any]):
                 tensor_parallel_devices=tensor_parallel_devices,
             )
         except ValueError as error:
-            raise click.ClickException(str(error)) from error
+            raise PetalsCliError(str(error)) from error
     throughput = options["throughput"]
     if isinstance(throughput, float):
         throughput_info = ThroughputInfo(throughput)
@@ -318,8 +340,6 @@ def build_settings(model: str, network, options: dict[str, Any]):
         if throughput == "dry_run":
             click.echo(json.dumps(throughput_info.__dict__))
             return None
-    if options["max_disk_space"]:
-        logger.info("--max_disk_space is accepted but not enforced yet")
     return ServerSettings(
         model=model,
         network=network,
@@ -330,7 +350,10 @@ def build_settings(model: str, network, options: dict[str, Any]):
         block_indices=blocks,
         dht_prefix=config.dht_prefix,
         token=options["token"],
+        revision=options["revision"],
         cache_dir=cache_dir,
+        max_disk_space=options["max_disk_space"],
+        skip_reachability_check=options["skip_reachability_check"],
         max_batch_size=options["max_batch_size"] or (8192 if grouped_kv else 2048),
         inference_max_length=options["inference_max_length"] or (8192 if grouped_kv else 2048),
         attn_cache_tokens=attn_cache_tokens,
@@ -349,6 +372,27 @@ def build_settings(model: str, network, options: dict[str, Any]):
     )
 
 
+def check_local_path(name: str, what: str = "model") -> None:
+    """A name written as a path (``./x``, ``/x``, ``~/x``) must be a directory; others are repo ids."""
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise PetalsCliError(
+            f"{what} {name}: no such directory; give an existing directory or a Hugging Face repo id (org/name)"
+        )
+
+
+def require_optional_packages(
+    quant_type: str, tensor_parallel_devices: tuple, adapters: tuple[str, ...]
+) -> None:
+    """Fail before joining the swarm when an option's optional package is not installed."""
+    for package, needed in (
+        ("bitsandbytes", quant_type != "none"),
+        ("tensor_parallel", bool(tensor_parallel_devices)),
+        ("peft", bool(adapters)),
+    ):
+        if needed:
+            require_optional(package)
+
+
 def check_adapters(adapters: tuple[str, ...], **hub_kwargs) -> dict[str, Path]:
     """Each adapter's safetensors weights (downloaded if needed); a missing or pickle-only one stops the start."""
     from petals.convert import AdapterError, adapter_files
@@ -356,7 +400,7 @@ def check_adapters(adapters: tuple[str, ...], **hub_kwargs) -> dict[str, Path]:
     try:
         return {name: adapter_files(name, name, **hub_kwargs)[1] for name in adapters}
     except (AdapterError, OSError) as error:
-        raise click.ClickException(str(error)) from error
+        raise PetalsCliError(str(error)) from error
 
 
 def resolve_dtype(name: str, config, device):
@@ -420,15 +464,6 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("PETALS_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
 
 
 if __name__ == "__main__":

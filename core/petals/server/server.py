@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
+from tqdm import tqdm
 
 import petals
 from petals.auto import AutoDistributedConfig
@@ -32,6 +34,7 @@ from petals.dht import (
 )
 from petals.loading import Checkpoint, load_block
 from petals.networking import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
+from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
@@ -62,8 +65,11 @@ class ServerSettings:
     num_blocks: int | None = None
     block_indices: range | None = None
     dht_prefix: str | None = None
-    token: str | None = None
+    token: str | bool | None = None
+    revision: str | None = None
     cache_dir: Path | None = None
+    max_disk_space: int | None = None  # bytes the hub cache may use (petals.disk_cache)
+    skip_reachability_check: bool = False
     max_batch_size: int = 2048
     inference_max_length: int = 2048
     attn_cache_tokens: int = 8192
@@ -85,7 +91,11 @@ class Server:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.config = AutoDistributedConfig.from_pretrained(
-            settings.model, dht_prefix=settings.dht_prefix, cache_dir=settings.cache_dir, token=settings.token
+            settings.model,
+            dht_prefix=settings.dht_prefix,
+            cache_dir=settings.cache_dir,
+            token=settings.token,
+            revision=settings.revision,
         )
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
@@ -93,6 +103,7 @@ class Server:
         self.expiration = settings.expiration or max(2 * settings.update_period, 3)
         self.stop = asyncio.Event()
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
+        self.using_relay = False  # set on joining: reachable only through a relay
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
@@ -101,16 +112,20 @@ class Server:
         node = None
         try:
             node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
-            maddrs = " ".join(str(maddr) for maddr in await p2p.get_visible_maddrs())
+            visible = await p2p.get_visible_maddrs()
+            self.using_relay = is_relayed(visible)
+            maddrs = " ".join(map(str, visible))
             logger.info(
                 "Joined the swarm in %.1f s as %s (%s)", time.perf_counter() - started, p2p.peer_id, maddrs
             )
+            await ReachabilityProtocol(p2p).add_p2p_handlers(p2p)  # answer other peers' checks
             await self._serve(p2p, node)
         finally:
             await leave_network(p2p, node)
             logger.info("Left the swarm")
 
     async def _serve(self, p2p: P2P, node: DHTNode) -> None:
+        checking = asyncio.create_task(self._check_reachability(p2p, node))
         compute = ComputeQueue()
         compute.start()
         try:
@@ -124,7 +139,26 @@ class Server:
                 finally:
                     await span.leave()
         finally:
+            checking.cancel()
             compute.shutdown()
+
+    async def _check_reachability(self, p2p: P2P, node: DHTNode) -> None:
+        """Ask DHT neighbours to dial back; if they cannot, others reach us only through relays."""
+        if (
+            self.using_relay
+            or self.settings.skip_reachability_check
+            or not self.settings.network.initial_peers
+            or all(is_loopback(maddr) for maddr in await p2p.get_visible_maddrs())
+        ):
+            return  # a loopback-only peer is reachable from this machine alone: nothing to ask
+        neighbours = list(node.protocol.routing_table.peer_id_to_uid)
+        if await check_direct_reachability(p2p, neighbours) is False:
+            self.using_relay = True  # announced from the next update on
+            logger.warning(
+                "Other peers cannot connect to this server directly (it is behind NAT or a firewall, or "
+                "announces addresses they cannot reach): clients reach it only through relays, if any. "
+                "Open a TCP port and pass --port PORT --public_ip YOUR_IP"
+            )
 
     async def _until_stopped(self, coroutine) -> bool:
         """Run ``coroutine`` unless the server is stopped first (then cancel it and return False)."""
@@ -163,7 +197,7 @@ class Server:
             adapters=self.settings.adapters,
             torch_dtype=str(self.settings.dtype).removeprefix("torch."),
             quant_type=self.settings.quant_type,
-            using_relay=False,
+            using_relay=self.using_relay,
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
@@ -241,12 +275,17 @@ class ServingSpan:
 
     def _load_blocks(self) -> list[BlockBackend]:
         checkpoint = Checkpoint.open(
-            self.settings.model, cache_dir=self.settings.cache_dir, token=self.settings.token
+            self.settings.model,
+            cache_dir=self.settings.cache_dir,
+            token=self.settings.token,
+            revision=self.settings.revision,
+            max_disk_space=self.settings.max_disk_space,
         )
         backends = []
         hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
+        started, loaded_bytes = time.perf_counter(), 0
+        progress = tqdm(total=len(self.blocks), desc="Loading blocks", unit="block", file=sys.stderr)
         for count, index in enumerate(self.blocks, start=1):
-            started = time.perf_counter()
             block = load_block(
                 self.settings.model,
                 index,
@@ -275,13 +314,11 @@ class ServingSpan:
                     self.settings.device,
                 )
             )
-            logger.info(
-                "Loaded block %d (%d/%d) in %.2f s",
-                index,
-                count,
-                len(self.blocks),
-                time.perf_counter() - started,
-            )
+            loaded_bytes += block_weight_bytes(module)
+            progress.set_postfix_str(f"block {index}, {loaded_bytes / 2**20:.1f} MiB", refresh=False)
+            progress.update()
+        progress.close()
+        logger.info("Loaded %d blocks in %.2f s", len(self.blocks), time.perf_counter() - started)
         return backends
 
     async def serve_until_moved(self) -> range | None:
@@ -395,6 +432,15 @@ class ServingSpan:
                 await self._announce(self.state)
             except Exception as error:
                 logger.warning("Announcing to the DHT failed: %s", error)
+
+
+def is_loopback(maddr) -> bool:
+    return str(maddr).startswith(("/ip4/127.", "/ip6/::1/"))
+
+
+def is_relayed(maddrs) -> bool:
+    """Whether every address others can reach us at goes through a relay (``/p2p-circuit``)."""
+    return bool(maddrs) and all("/p2p-circuit" in str(maddr) for maddr in maddrs)
 
 
 def _bounds(blocks: range) -> tuple[int, int]:
