@@ -101,7 +101,14 @@ class TransformerConnectionHandler(ServicerBase):
                 "version": petals.__version__,
                 "dht_client_mode": False,
                 "cache_tokens_available": self.budget.tokens_left,
-                "stats": {**self.stats, "merged_batches": self.compute.batches_merged},
+                "stats": {
+                    **self.stats,
+                    "merged_batches": self.compute.batches_merged,
+                    # {sessions merged into one forward: how many such forwards} (decode steps)
+                    "decode_batch_sizes": {
+                        str(size): count for size, count in self.compute.batch_sizes.items()
+                    },
+                },
             }
             if request.uid:
                 self._backends(request.uid)
