@@ -18,6 +18,7 @@ caches on the block's shared pool with ``BlockCache.paged``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ class PagedLayer(CacheLayerMixin):
         return keys, values
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            end = start + self.members[0].length  # one sequence in consecutive pages: a view, no copy
+            return self.pool.keys[None, start:end].transpose(1, 2), self.pool.values[
+                None, start:end
+            ].transpose(1, 2)
         length = self.get_seq_length()
         slots = torch.cat([_left_padded(member.slots(0, member.length), length) for member in self.members])
         padding = slots < 0
@@ -300,6 +306,15 @@ class BlockCache(PagedCache):
             offsets = torch.arange(self.pool.page_tokens, device=tables.device)
             self._table_tensor = (tables[:, :, None] * self.pool.page_tokens + offsets).flatten(1)
         return self._table_tensor[:, start:end]
+
+    def contiguous_start(self) -> int | None:
+        """The first slot of a single sequence whose pages lie one after another (as a lone session's do)."""
+        if self.num_sequences != 1 or not self.tables[0]:
+            return None
+        table = self.tables[0]
+        if table[-1] - table[0] != len(table) - 1 or any(b - a != 1 for a, b in itertools.pairwise(table)):
+            return None
+        return table[0] * self.pool.page_tokens
 
     def rewind(self, position: int) -> None:
         """Forget every token from ``position`` on (the next step writes there); give back unused pages."""
