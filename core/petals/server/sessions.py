@@ -3,9 +3,9 @@ and the torch work of their steps, which runs in the compute thread.
 
 Decode steps of several sessions over the same blocks run as one forward per block
 (``run_decode_steps``), whatever their positions and batch sizes: each block's cache is the
-sessions' caches merged (their page tables side by side over the block's pool), so nothing of
-their past keys and values is copied into a batch, and new keys and values land in each
-session's own pages.
+sessions' caches merged (their page tables side by side over the block's pool): new keys and
+values land in each session's own pages, and attention reads every row's pages (one gather per
+block, left-padded to the longest row); no batch cache is built, and nothing is copied back.
 """
 
 from __future__ import annotations
