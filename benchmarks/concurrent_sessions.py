@@ -97,7 +97,8 @@ def merged_sizes(client, servers) -> collections.Counter:
     sizes = collections.Counter()
     for server in servers:
         stats = client.info(server.peer_id)["stats"]
-        sizes.update({int(size): count for size, count in stats.get("decode_batch_sizes", {}).items()})
+        prefix = "decode_batch_size_"
+        sizes.update({int(key.removeprefix(prefix)): n for key, n in stats.items() if key.startswith(prefix)})
     return sizes
 
 

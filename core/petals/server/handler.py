@@ -104,9 +104,9 @@ class TransformerConnectionHandler(ServicerBase):
                 "stats": {
                     **self.stats,
                     "merged_batches": self.compute.batches_merged,
-                    # {sessions merged into one forward: how many such forwards} (decode steps)
-                    "decode_batch_sizes": {
-                        str(size): count for size, count in self.compute.batch_sizes.items()
+                    # decode forwards by the number of sessions merged into them
+                    **{
+                        f"decode_batch_size_{size}": count for size, count in self.compute.batch_sizes.items()
                     },
                 },
             }
