@@ -61,3 +61,28 @@ def test_sharding_plans_come_from_the_family_plugins(tmp_path):
         assert isinstance(manager.hook.tensor_parallel_config(config=config, world_size=2), tp.Config), (
             variant
         )
+
+
+@pytest.mark.parametrize("variant", ["llama", "bloom"])
+def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_path, variant):
+    from petals.convert import ShardedCache
+    from petals.kv_cache import BlockCache
+
+    block = load_block(tiny_model_path(variant), 1)
+    sharded = make_tensor_parallel(copy.deepcopy(block), block.config, DEVICES)
+    pools = sharded.make_pools(num_pages=16, page_tokens=4, dtype=torch.float32)
+    sessions = [ShardedCache(BlockCache.paged(pool, batch, 16) for pool in pools) for batch in (1, 2)]
+    solo = [allocate_cache(block.config, batch, 16) for batch in (1, 2)]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for session, cache, prompt in zip(sessions, solo, (6, 3), strict=True):  # different positions
+            hidden = torch.randn(cache.num_sequences, prompt, block.config.hidden_size)
+            torch.testing.assert_close(sharded(hidden, session), block(hidden, cache), atol=1e-5, rtol=0)
+        for _ in range(3):
+            steps = [torch.randn(cache.num_sequences, 1, block.config.hidden_size) for cache in solo]
+            merged = sharded(torch.cat(steps), ShardedCache.merged(sessions))
+            expected = torch.cat([block(step, cache) for step, cache in zip(steps, solo, strict=True)])
+            torch.testing.assert_close(merged, expected, atol=1e-5, rtol=0)
+    for session in sessions:
+        session.release()
+    assert all(pool.free_pages == pool.num_pages for pool in pools)

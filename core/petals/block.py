@@ -2,10 +2,11 @@
 
 A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer; it is built as
 ``XBlock(config, block_index)``, always with HF ``layer_idx=0`` so that it reads and writes the
-single layer of its own ``BlockCache`` (per-layer settings such as a layer's attention type are
-taken from ``block_index`` in ``prepare_config``). Its ``forward(hidden_states, cache=None)``
-derives positions from the cache length and calls the HF layer with exactly the arguments the full
-HF model would pass.
+single layer of its cache (per-layer settings such as a layer's attention type are taken from
+``block_index`` in ``prepare_config``). Its ``forward(hidden_states, cache=None)`` takes a
+``PagedCache`` (one session's ``BlockCache`` or several sessions' merged), derives each row's
+positions and padding from it, and calls the HF layer with exactly the arguments the full HF model
+would pass for a left-padded batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from petals.kv_cache import BlockCache, KVCacheLayout
+from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
 from petals.plugins import get_plugin_manager
 
 
@@ -52,9 +53,18 @@ class ServerBlockMixin:
         return config
 
     @staticmethod
-    def position_ids(hidden_states: torch.Tensor, cache: BlockCache | None) -> torch.LongTensor:
-        start = cache.get_seq_length() if cache is not None else 0
-        return torch.arange(start, start + hidden_states.shape[1], device=hidden_states.device)[None]
+    def position_ids(hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
+        """``[batch, length]``: each row's positions (rows of a merged cache sit at different ones)."""
+        if cache is None:
+            return torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
+        return cache.position_ids(hidden_states.shape[1], hidden_states.device)
+
+    @staticmethod
+    def attention_mask(hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
+        """``[batch, keys]``: 1 where a row has a key, 0 where a merged cache pads it (ALiBi counts it)."""
+        if cache is None:
+            return torch.ones(hidden_states.shape[:2], dtype=torch.long, device=hidden_states.device)
+        return cache.attention_mask(hidden_states.shape[1], hidden_states.device)
 
     @property
     def uses_sliding_window(self) -> bool:
@@ -65,14 +75,15 @@ class ServerBlockMixin:
         return getattr(self.config, "sliding_window", None) is not None
 
     def causal_mask(
-        self, hidden_states: torch.Tensor, cache: BlockCache | None, position_ids: torch.LongTensor, **kwargs
+        self, hidden_states: torch.Tensor, cache: PagedCache | None, position_ids: torch.LongTensor, **kwargs
     ) -> torch.Tensor | None:
-        """The mask the full model builds for this layer (None where sdpa's is_causal suffices)."""
+        """The mask the full model builds for this layer, with a merged cache's padding (None where sdpa's
+        is_causal suffices)."""
         mask_function = create_sliding_window_causal_mask if self.uses_sliding_window else create_causal_mask
         return mask_function(
             config=self.config,
             inputs_embeds=hidden_states,
-            attention_mask=None,
+            attention_mask=self.attention_mask(hidden_states, cache) if cache is not None else None,
             cache=cache,
             position_ids=position_ids,
             layer_idx=0 if cache is not None else None,
@@ -88,7 +99,7 @@ class RotaryBlockMixin(ServerBlockMixin):
     and write their own ``forward``.
     """
 
-    def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
         position_ids = self.position_ids(hidden_states, cache)
         return super().forward(
             hidden_states,

@@ -38,8 +38,10 @@ def block_class(config: PretrainedConfig) -> type[torch.nn.Module] | None:
     """Return the server-side block class for ``config``, or None if this plugin does not serve it.
 
     A block is one decoder layer that runs standalone: ``block(hidden_states [B, T, H],
-    cache: petals.kv_cache.BlockCache | None) -> hidden_states``. It derives positions from the
-    cache length and computes exactly what the Hugging Face layer computes inside the full model.
+    cache: petals.kv_cache.PagedCache | None) -> hidden_states``. The cache may hold rows of
+    several sessions at different positions (left-padded): the block takes each row's positions
+    and padding from ``cache.position_ids`` / ``cache.attention_mask`` (``ServerBlockMixin`` does)
+    and computes exactly what the Hugging Face layer computes inside the full model.
     Core's default returns ``config.block_class``.
     """
 

@@ -1,21 +1,40 @@
-"""The key/value cache a server owns for one block of one inference session.
+"""The key/value cache a server keeps for its blocks: fixed-size pages from one pool per block.
 
-A ``BlockCache`` is a transformers ``Cache`` with a single layer whose key and value tensors are
-allocated once, for the session's ``max_length``, and filled in place. Hugging Face decoder layers
-call ``cache.update(key, value, layer_idx=0)`` exactly as inside the full model, so a standalone
-block computes what the full model computes, while the server knows the cache's size up front.
+A ``PagePool`` holds one block's keys and values as pages of ``page_tokens`` tokens. A session's
+``BlockCache`` takes pages from it as its sequences grow (a page table per sequence) and gives
+them back when it rewinds or ends, so memory is held for the tokens cached, not for ``max_length``.
+
+Both ``BlockCache`` (one session) and ``PagedCache`` (the rows of several sessions, one forward)
+are transformers ``Cache`` objects: Hugging Face decoder layers call ``cache.update(key, value,
+layer_idx=0)`` exactly as inside the full model. ``update`` writes the new keys and values into
+each sequence's pages and hands the layer every row's keys and values, left-padded to the longest
+row; ``position_ids`` and ``attention_mask`` tell the block each row's positions and which key
+slots are padding, so rows at different positions share one batched attention.
+
+``BlockCache(layout, batch_size, max_length)`` without a pool is a standalone cache that takes its
+whole ``max_length`` up front (tests, throughput measurements); the server opens its sessions'
+caches on the block's shared pool with ``BlockCache.paged``.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+PAGE_TOKENS = 16  # tokens per page: small enough to waste little, large enough to index cheaply
+
 
 class CacheOverflowError(ValueError):
     """A step would write past the session's ``max_length``."""
+
+
+class OutOfPagesError(RuntimeError):
+    """The block's page pool has no free page left for a growing session."""
 
 
 @dataclass(frozen=True)
@@ -48,87 +67,171 @@ class KVCacheLayout:
         return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
-class PreallocatedLayer(CacheLayerMixin):
-    """One block's keys and values, ``[batch, kv_heads, max_length, head_dim]``, filled in place."""
+class PagePool:
+    """One block's keys and values in ``num_pages`` pages of ``page_tokens`` tokens, shared by sessions.
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
+    Pages are taken and given back under a lock: the compute thread takes them as sessions grow,
+    the event loop gives a finished session's pages back.
+    """
 
     def __init__(
         self,
         layout: KVCacheLayout,
-        batch_size: int,
-        max_length: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        num_pages: int,
+        page_tokens: int = PAGE_TOKENS,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__()
-        shape = (batch_size, layout.num_kv_heads, max_length, layout.head_dim)
-        self.layout = layout
-        self.max_length = max_length
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.device = torch.device(device)
-        self.length = 0
+        if num_pages < 1 or page_tokens < 1:
+            raise ValueError(f"a page pool needs pages and tokens per page, got {num_pages} × {page_tokens}")
+        self.layout, self.num_pages, self.page_tokens = layout, num_pages, page_tokens
+        shape = (num_pages * page_tokens, layout.num_kv_heads, layout.head_dim)
+        # empty, not zeros: only written slots are ever read, and on CPU untouched pages stay unmapped
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.lock = threading.RLock()
+        self._free = list(range(num_pages - 1, -1, -1))  # taken from the end: low pages first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.free_pages * self.page_tokens
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_tokens * self.layout.bytes_per_token(self.keys.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
+
+    def take(self, count: int) -> list[int]:
+        with self.lock:
+            if count > len(self._free):
+                raise OutOfPagesError(
+                    f"the server's KV cache is full: {count} more pages of {self.page_tokens} tokens needed, "
+                    f"{len(self._free)} free; try again later or another server"
+                )
+            pages = self._free[len(self._free) - count :]
+            del self._free[len(self._free) - count :]
+            return pages
+
+    def give_back(self, pages: Sequence[int]) -> None:
+        with self.lock:
+            self._free.extend(reversed(pages))
+
+
+class PagedLayer(CacheLayerMixin):
+    """The single cache layer of a block, over the sequences of one or more ``BlockCache``s."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, members: Sequence[BlockCache]) -> None:  # no super().__init__: keys are properties
+        self.members = list(members)
+        self.pool = self.members[0].pool
+        if any(member.pool is not self.pool for member in self.members):
+            raise ValueError("caches computed in one forward must share one page pool")
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the tensors were allocated in ``__init__``."""
+        """Nothing to do: the pool is allocated up front."""
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """A copy of the cached keys, ``[rows, kv_heads, length, head_dim]`` (left-padded rows)."""
+        return self._read()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._read()[1]
+
+    def get_seq_length(self) -> int:
+        return max(member.length for member in self.members)
+
+    def get_max_length(self) -> int:
+        return max(member.max_length for member in self.members)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        broadcast = key_states.shape[1] != self.layout.num_kv_heads
-        key_states, value_states = self._grouped(key_states), self._grouped(value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.max_length:
-            raise CacheOverflowError(
-                f"Maximum length exceeded: {self.length} cached + {key_states.shape[-2]} new tokens "
-                f"> max_length {self.max_length}"
-            )
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
-        self.length = end
-        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        """Write the step's keys and values into each sequence's pages; return every row's whole history,
+        left-padded (with zeros) to the longest row."""
+        layout = self.pool.layout
+        broadcast = key_states.shape[1] != layout.num_kv_heads
+        key_states, value_states = _grouped(key_states, layout), _grouped(value_states, layout)
+        new_tokens = key_states.shape[-2]
+        for member in self.members:
+            member.reserve(new_tokens)
+        slots = torch.cat(
+            [member.slots(member.length, member.length + new_tokens) for member in self.members]
+        )
+        self.pool.keys[slots.flatten()] = key_states.transpose(1, 2).flatten(0, 1)
+        self.pool.values[slots.flatten()] = value_states.transpose(1, 2).flatten(0, 1)
+        for member in self.members:
+            member.length += new_tokens
+        keys, values = self._read()
         if broadcast:  # hand back as many heads as the layer gave
-            keys = keys.repeat_interleave(self.layout.group_size, dim=1)
-            values = values.repeat_interleave(self.layout.group_size, dim=1)
+            keys = keys.repeat_interleave(layout.group_size, dim=1)
+            values = values.repeat_interleave(layout.group_size, dim=1)
         return keys, values
 
-    def _grouped(self, states: torch.Tensor) -> torch.Tensor:
-        if states.shape[1] == self.layout.num_kv_heads:
-            return states
-        if states.shape[1] != self.layout.num_query_heads:
-            raise ValueError(
-                f"the layer produced {states.shape[1]} key/value heads; the cache layout expects "
-                f"{self.layout.num_kv_heads} (or {self.layout.num_query_heads} broadcast ones)"
-            )
-        return states[:, :: self.layout.group_size]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return self.max_length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.length = max(0, self.length - abs(tokens_to_remove))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        beam_idx = beam_idx.to(self.keys.device)
-        self.keys.copy_(self.keys.index_select(0, beam_idx))
-        self.values.copy_(self.values.index_select(0, beam_idx))
-
-    def reset(self) -> None:
-        self.length = 0
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            end = start + self.members[0].length  # one sequence in consecutive pages: a view, no copy
+            return self.pool.keys[None, start:end].transpose(1, 2), self.pool.values[
+                None, start:end
+            ].transpose(1, 2)
+        length = self.get_seq_length()
+        slots = torch.cat([_left_padded(member.slots(0, member.length), length) for member in self.members])
+        padding = slots < 0
+        slots = slots.clamp(min=0)
+        keys = self.pool.keys[slots].masked_fill_(padding[..., None, None], 0)
+        values = self.pool.values[slots].masked_fill_(padding[..., None, None], 0)
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
 
-class BlockCache(Cache):
-    """The cache of one block in one session: preallocated, rewindable, reorderable for beams."""
+class PagedCache(Cache):
+    """Several sessions' caches of one block, for one batched forward (their rows, in order).
+
+    Rows may sit at different positions: keys are left-padded to the longest row, so a block
+    builds its masks from ``attention_mask`` and its positions from ``position_ids``.
+    """
+
+    def __init__(self, members: Sequence[BlockCache]) -> None:
+        super().__init__(layers=[PagedLayer(members)])
+
+    @property
+    def layer(self) -> PagedLayer:
+        return self.layers[0]
+
+    def _row_lengths(self, device: torch.device | str) -> torch.Tensor:
+        lengths = [member.length for member in self.layer.members for _ in range(member.num_sequences)]
+        return torch.tensor(lengths, device=device)
+
+    def position_ids(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
+        """``[rows, query_length]``: each row's positions of the step's tokens."""
+        return self._row_lengths(device)[:, None] + torch.arange(query_length, device=device)
+
+    def attention_mask(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
+        """``[rows, cached + query_length]`` (the longest row's): 1 for a key of the row, 0 for padding."""
+        lengths = self._row_lengths(device)
+        slots = torch.arange(self.layer.get_seq_length() + query_length, device=device)
+        return (slots >= self.layer.get_seq_length() - lengths[:, None]).long()
+
+
+class BlockCache(PagedCache):
+    """The cache of one block in one session: page tables over a pool, rewindable, reorderable for beams."""
 
     def __init__(
         self,
@@ -137,31 +240,93 @@ class BlockCache(Cache):
         max_length: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        pool: PagePool | None = None,
     ) -> None:
-        layer = PreallocatedLayer(layout, batch_size, max_length, dtype, torch.device(device))
-        super().__init__(layers=[layer])
-        self.layout = layout
-        self.num_sequences = batch_size
-        self.max_length = max_length
+        standalone = pool is None
+        if pool is None:  # a pool of its own, one page per sequence: the whole max_length up front
+            pool = PagePool(layout, max(batch_size, 1), max(max_length, 1), dtype, device)
+        self.pool, self.layout = pool, layout
+        self.num_sequences, self.max_length = batch_size, max_length
+        self.length = 0
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._table_tensor: torch.Tensor | None = None
+        self._released = False
+        super().__init__([self])
+        if standalone:
+            self.reserve(max_length)
 
-    @property
-    def layer(self) -> PreallocatedLayer:
-        return self.layers[0]
+    @classmethod
+    def paged(cls, pool: PagePool, batch_size: int, max_length: int) -> BlockCache:
+        """A session's cache on a block's shared pool: it takes pages as it grows."""
+        return cls(pool.layout, batch_size, max_length, pool=pool)
+
+    @staticmethod
+    def merged(caches: Sequence[BlockCache]) -> PagedCache:
+        """One cache over all rows of ``caches`` (sessions on the same block), for one forward."""
+        return caches[0] if len(caches) == 1 else PagedCache(caches)
 
     @property
     def position(self) -> int:
         """How many tokens are cached."""
-        return self.layer.length
+        return self.length
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(table) for table in self.tables)
 
     @property
     def nbytes(self) -> int:
-        return self.layer.keys.nbytes + self.layer.values.nbytes
+        """Bytes of the pages this cache holds."""
+        return self.pages_held * self.pool.page_nbytes
+
+    def reserve(self, new_tokens: int) -> None:
+        """Take the pages that ``new_tokens`` more tokens need (raises, taking none, if it cannot)."""
+        end = self.length + new_tokens
+        if end > self.max_length:
+            raise CacheOverflowError(
+                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
+                f"> max_length {self.max_length}"
+            )
+        missing = self.pool.pages_for(end) - len(self.tables[0]) if self.tables else 0
+        if missing <= 0:
+            return
+        with self.pool.lock:
+            if self._released:
+                raise RuntimeError("this session's cache was released: the session has ended")
+            pages = self.pool.take(missing * self.num_sequences)
+            for row, table in enumerate(self.tables):
+                table.extend(pages[row * missing : (row + 1) * missing])
+        self._table_tensor = None
+
+    def slots(self, start: int, end: int) -> torch.LongTensor:
+        """``[sequences, end - start]``: where positions ``start..end-1`` of each sequence live in the pool."""
+        if self._table_tensor is None:
+            tables = torch.tensor(self.tables, dtype=torch.long, device=self.pool.keys.device)
+            offsets = torch.arange(self.pool.page_tokens, device=tables.device)
+            self._table_tensor = (tables[:, :, None] * self.pool.page_tokens + offsets).flatten(1)
+        return self._table_tensor[:, start:end]
+
+    def contiguous_start(self) -> int | None:
+        """The first slot of a single sequence whose pages lie one after another (as a lone session's do)."""
+        if self.num_sequences != 1 or not self.tables[0]:
+            return None
+        table = self.tables[0]
+        if table[-1] - table[0] != len(table) - 1 or any(b - a != 1 for a, b in itertools.pairwise(table)):
+            return None
+        return table[0] * self.pool.page_tokens
 
     def rewind(self, position: int) -> None:
-        """Forget every token from ``position`` on (the next step writes there)."""
+        """Forget every token from ``position`` on (the next step writes there); give back unused pages."""
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to position {position}: {self.position} tokens are cached")
-        self.layer.length = position
+        self.length = position
+        keep = self.pool.pages_for(position)
+        with self.pool.lock:
+            for table in self.tables:
+                self.pool.give_back(table[keep:])
+                del table[keep:]
+        self._table_tensor = None
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``."""
@@ -169,4 +334,33 @@ class BlockCache(Cache):
             raise ValueError(f"hypo_ids must have shape ({self.num_sequences},), got {tuple(hypo_ids.shape)}")
         if hypo_ids.numel() and not (0 <= int(hypo_ids.min()) and int(hypo_ids.max()) < self.num_sequences):
             raise ValueError(f"hypo_ids must be in [0, {self.num_sequences}), got {hypo_ids.tolist()}")
-        self.layer.reorder_cache(hypo_ids)
+        slots = self.slots(0, self.length)
+        sources = slots[hypo_ids.to(slots.device)].flatten()
+        self.pool.keys[slots.flatten()] = self.pool.keys[sources]
+        self.pool.values[slots.flatten()] = self.pool.values[sources]
+
+    def release(self) -> None:
+        """Give every page back to the pool; the cache takes no more (the session has ended)."""
+        with self.pool.lock:
+            self._released = True
+            for table in self.tables:
+                self.pool.give_back(table)
+                table.clear()
+        self.length = 0
+        self._table_tensor = None
+
+
+def _grouped(states: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    if states.shape[1] == layout.num_kv_heads:
+        return states
+    if states.shape[1] != layout.num_query_heads:
+        raise ValueError(
+            f"the layer produced {states.shape[1]} key/value heads; the cache layout expects "
+            f"{layout.num_kv_heads} (or {layout.num_query_heads} broadcast ones)"
+        )
+    return states[:, :: layout.group_size]
+
+
+def _left_padded(slots: torch.Tensor, length: int) -> torch.Tensor:
+    """``slots`` right-aligned in ``length`` columns, -1 marking the padding on the left."""
+    return torch.nn.functional.pad(slots, (length - slots.shape[1], 0), value=-1)

@@ -8,7 +8,7 @@ from transformers.models.falcon.modeling_falcon import (
 )
 
 from petals.block import ServerBlockMixin
-from petals.kv_cache import BlockCache
+from petals.kv_cache import PagedCache
 
 
 class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
@@ -16,7 +16,7 @@ class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
 
     rotary_class = FalconRotaryEmbedding
 
-    def forward(self, hidden_states: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
         position_ids = self.position_ids(hidden_states, cache)
         mask = self.causal_mask(hidden_states, cache, position_ids, allow_is_causal_skip=False)
         alibi = position_embeddings = None
@@ -35,12 +35,11 @@ class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
         )[0]
 
     def _alibi_and_mask(
-        self, hidden_states: torch.Tensor, cache: BlockCache | None, mask: torch.Tensor
+        self, hidden_states: torch.Tensor, cache: PagedCache | None, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch_size, length, _ = hidden_states.shape
-        kv_length = length + (cache.get_seq_length() if cache is not None else 0)
-        ones = torch.ones(batch_size, kv_length, device=hidden_states.device, dtype=torch.long)
-        alibi = build_alibi_tensor(ones, self.config.num_attention_heads, dtype=hidden_states.dtype)
+        batch_size = hidden_states.shape[0]
+        keys = self.attention_mask(hidden_states, cache)  # a merged cache's padding gets no ALiBi position
+        alibi = build_alibi_tensor(keys, self.config.num_attention_heads, dtype=hidden_states.dtype)
         min_dtype = torch.finfo(hidden_states.dtype).min
         if mask.dtype == torch.bool:
             mask = torch.where(

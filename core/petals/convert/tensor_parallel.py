@@ -3,7 +3,7 @@
 Each family's plugin gives the sharding plan (``tensor_parallel_config`` hook): attention split
 by whole key/value groups, MLPs (and experts) by columns then rows, row-parallel outputs summed
 across shards. ``TensorParallelBlock`` runs the shards side by side, each with its own
-``BlockCache`` holding only its heads, through ``tensor_parallel``'s thread-parallel apply (its
+``BlockCache`` holding only its heads (pages of a pool per shard on a server), through ``tensor_parallel``'s thread-parallel apply (its
 built-in KV-cache handling shares one cache between shards, which is wrong, so it is not used).
 """
 
@@ -17,15 +17,23 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from petals.block import kv_cache_layout
-from petals.kv_cache import BlockCache, KVCacheLayout
+from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache, PagePool
 from petals.plugins import get_plugin_manager
 
 
 class ShardedCache(Sequence[BlockCache]):
-    """One session's cache of a sharded block: a ``BlockCache`` per shard, rewound and reordered together."""
+    """One session's cache of a sharded block: a ``BlockCache`` per shard, used like one ``BlockCache``
+    (grown, rewound, reordered, merged with other sessions' and released together)."""
 
-    def __init__(self, shards: Sequence[BlockCache]) -> None:
+    def __init__(self, shards: Sequence[BlockCache | PagedCache]) -> None:
         self.shards = list(shards)
+
+    @staticmethod
+    def merged(caches: Sequence[ShardedCache]) -> ShardedCache:
+        """Several sessions' caches of this block, shard by shard, for one forward."""
+        return ShardedCache(
+            BlockCache.merged([cache.shards[rank] for cache in caches]) for rank in range(len(caches[0]))
+        )
 
     def __getitem__(self, index):
         return self.shards[index]
@@ -41,6 +49,10 @@ class ShardedCache(Sequence[BlockCache]):
     def nbytes(self) -> int:
         return sum(shard.nbytes for shard in self.shards)
 
+    def reserve(self, new_tokens: int) -> None:
+        for shard in self.shards:
+            shard.reserve(new_tokens)
+
     def rewind(self, position: int) -> None:
         for shard in self.shards:
             shard.rewind(position)
@@ -48,6 +60,10 @@ class ShardedCache(Sequence[BlockCache]):
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         for shard in self.shards:
             shard.reorder(hypo_ids)
+
+    def release(self) -> None:
+        for shard in self.shards:
+            shard.release()
 
 
 class TensorParallelBlock(nn.Module):
@@ -78,17 +94,21 @@ class TensorParallelBlock(nn.Module):
     def allocate_caches(
         self, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32
     ) -> ShardedCache:
-        """One cache per shard, on its device, holding that shard's key/value heads."""
+        """One standalone cache per shard, on its device, holding that shard's key/value heads."""
         return ShardedCache(
             BlockCache(self.shard_layout, batch_size, max_length, dtype, device) for device in self.devices
         )
+
+    def make_pools(self, num_pages: int, page_tokens: int, dtype: torch.dtype) -> list[PagePool]:
+        """A page pool per shard, on its device, for that shard's key/value heads."""
+        return [PagePool(self.shard_layout, num_pages, page_tokens, dtype, device) for device in self.devices]
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Keys and values of one token over all shards (a multi-query head is copied on each)."""
         return len(self.devices) * self.shard_layout.bytes_per_token(dtype)
 
     def forward(
-        self, hidden_states: torch.Tensor, caches: Sequence[BlockCache] | None = None
+        self, hidden_states: torch.Tensor, caches: Sequence[PagedCache] | None = None
     ) -> torch.Tensor:
         from tensor_parallel.tensor_parallel import parallel_apply_simple
 

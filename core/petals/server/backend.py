@@ -7,7 +7,8 @@ back to CPU in the server's dtype. Deep prompts ``[B|1, pre_len, H]`` are added 
 
 A block's module is what ``petals.convert.convert_block`` made of it: plain, quantized, with LoRA
 adapters (a request's ``active_adapter`` picks one: ``with_adapter``), or a ``TensorParallelBlock``
-whose sessions hold one cache per shard.
+whose sessions hold one cache per shard. Sessions' caches take pages from the block's pools
+(``make_pools``: one, or one per shard), which the server's ``CacheBudget`` owns.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers import PretrainedConfig
 
 from petals.block import allocate_cache, kv_cache_layout
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
-from petals.kv_cache import BlockCache
+from petals.kv_cache import BlockCache, PagedCache, PagePool
 
 
 @dataclass
@@ -67,15 +68,30 @@ class BlockBackend:
         return grad_input
 
     def inference_step(
-        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: BlockCache | ShardedCache
+        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: PagedCache | ShardedCache
     ) -> torch.Tensor:
         with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), cache)
 
     def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache | ShardedCache:
+        """A standalone cache holding ``max_length`` tokens up front (for measurements)."""
         if isinstance(self.module, TensorParallelBlock):
             return self.module.allocate_caches(batch_size, max_length, self.dtype)
         return allocate_cache(self.config, batch_size, max_length, self.dtype, self.device)
+
+    def make_pools(self, num_pages: int, page_tokens: int) -> list[PagePool]:
+        """The page pools this block's sessions share (one per tensor-parallel shard)."""
+        if isinstance(self.module, TensorParallelBlock):
+            return self.module.make_pools(num_pages, page_tokens, self.dtype)
+        layout = kv_cache_layout(self.config)
+        return [PagePool(layout, num_pages, page_tokens, self.dtype, self.device)]
+
+    def open_cache(
+        self, pools: list[PagePool], batch_size: int, max_length: int
+    ) -> BlockCache | ShardedCache:
+        """A session's cache on ``pools`` (from ``make_pools``): it takes pages as it grows."""
+        caches = [BlockCache.paged(pool, batch_size, max_length) for pool in pools]
+        return ShardedCache(caches) if isinstance(self.module, TensorParallelBlock) else caches[0]
 
     def _input(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)

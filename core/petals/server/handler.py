@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids, parse_uid_chain
+from petals.kv_cache import OutOfPagesError
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
@@ -114,7 +115,14 @@ class TransformerConnectionHandler(ServicerBase):
                 "version": petals.__version__,
                 "dht_client_mode": False,
                 "cache_tokens_available": self.budget.tokens_left,
-                "stats": {**self.stats, "merged_batches": self.compute.batches_merged},
+                "stats": {
+                    **self.stats,
+                    "merged_batches": self.compute.batches_merged,
+                    # decode forwards by the number of sessions merged into them
+                    **{
+                        f"decode_batch_size_{size}": count for size, count in self.compute.batch_sizes.items()
+                    },
+                },
             }
             if request.uid:
                 self._backends(request.uid)
@@ -237,17 +245,18 @@ class TransformerConnectionHandler(ServicerBase):
                     f"{self.limits.inference_max_length}"
                 )
             args = self._inference_args(first, metadata, metadata, len(backends))
-            batch_size = args[0].shape[0]
-            nbytes = self.budget.session_bytes(batch_size, max_length, len(backends))
+            batch_size, first_tokens = args[0].shape[:2]
             alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
-            async with self.budget.reserve(nbytes, alloc_timeout):
-                allocate = _bind(_allocate_caches, backends, batch_size, max_length)
-                caches = await self.compute.run(Priority.DECODE, 0, allocate)
-                session_id = metadata.get("session_id") or str(uuid.uuid4())
-                session = InferenceSession(session_id, list(backends), caches, batch_size, max_length)
+            await self.budget.admit(backends, batch_size, max_length, first_tokens, alloc_timeout)
+            caches = self.budget.open_caches(backends, batch_size, max_length)
+            session_id = metadata.get("session_id") or str(uuid.uuid4())
+            session = InferenceSession(session_id, list(backends), caches, batch_size, max_length)
+            try:
                 with self.sessions.registered(session):
                     async for response in self._serve_session(session, args, metadata, requests):
                         yield response
+            finally:  # after its queued steps, never under a forward that merged it with others
+                self._spawn(self.compute.run(Priority.DECODE, 0, session.release))
 
     async def _first_request(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
@@ -351,12 +360,12 @@ class TransformerConnectionHandler(ServicerBase):
     ) -> torch.Tensor:
         tokens = hidden.shape[0] * hidden.shape[1]
         if tokens <= MAX_SHORT_INFERENCE_TOKENS and all(prompt is None for prompt in prompts):
-            position = session.position if start is None else start
-            key = (session.span_key, position, hidden.shape[1], hidden.dtype)
-            if not session.stackable:
-                key = (key, session.session_id)  # steps of other sessions cannot share its forward
+            key = (session.span_key, hidden.shape[1], hidden.dtype)  # any positions and batch sizes merge
             step = DecodeStep(session, hidden, hypo_ids, start)
-            return await self.compute.run_batched(Priority.DECODE, tokens, key, step, run_decode_steps)
+            output = await self.compute.run_batched(Priority.DECODE, tokens, key, step, run_decode_steps)
+            if isinstance(output, Exception):  # this session's own failure (e.g. no free page)
+                raise output
+            return output
         if tokens <= MAX_SHORT_INFERENCE_TOKENS:
             return await self.compute.run(
                 Priority.DECODE, tokens, _bind(_prepare_and_run, session, hidden, prompts, hypo_ids, start)
@@ -530,7 +539,7 @@ class Refusal(Exception):
 
 
 def _kind(error: BaseException) -> str:
-    if isinstance(error, AllocationFailed):
+    if isinstance(error, AllocationFailed | OutOfPagesError):
         return "cache_full"
     if isinstance(error, TimeoutError):
         return "timeout"
@@ -544,7 +553,7 @@ def max_request_bytes(max_batch_size: int, hidden_size: int, num_blocks: int) ->
     return max_batch_size * hidden_size * widest * (2 + num_blocks) + 2**16
 
 
-REFUSALS = (WireError, AllocationFailed, TimeoutError)
+REFUSALS = (WireError, AllocationFailed, OutOfPagesError, TimeoutError)
 QUIET = (*REFUSALS, Refusal)
 
 
@@ -569,10 +578,6 @@ async def _feed(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: async
             inbox.put_nowait(request)
     finally:
         inbox.put_nowait(None)
-
-
-def _allocate_caches(backends: Sequence[BlockBackend], batch_size: int, max_length: int) -> list:
-    return [backend.allocate_cache(batch_size, max_length) for backend in backends]
 
 
 def _prepare_and_run(

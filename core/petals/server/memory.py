@@ -1,21 +1,28 @@
-"""The server's KV-cache budget: how many bytes sessions may hold, and who holds what.
+"""The server's KV-cache budget: a page pool per hosted block, and which sessions may start.
 
 ``--attn_cache_tokens`` is the number of tokens of keys and values the server keeps **per hosted
-block**, so the budget is ``attn_cache_tokens × bytes_per_token × num_blocks`` bytes, where
-``bytes_per_token`` is one block's keys plus values for one token (the family's KV layout, GQA
-counted). A session of ``batch`` sequences reserving ``max_length`` tokens on ``n`` blocks takes
-``batch × max_length × bytes_per_token × n`` bytes until it ends.
+block**: each block gets a pool of ``attn_cache_tokens / page_tokens`` pages (one per
+tensor-parallel shard), which sessions take page by page as they grow and give back when they
+rewind or end. ``max_length`` only caps a session; it reserves nothing. A session is admitted when
+it could ever fit and its first step's pages are free now; one that later finds no free page fails
+alone with a clear error (``OutOfPagesError``), its neighbours' pages untouched.
 
 What we announce follows Petals' unit: ``cache_tokens_left`` (and rpc_info's
-``cache_tokens_available``) count keys and values separately, i.e. ``bytes_left // (bytes_per_token / 2)``;
-Petals clients check ``max_length × 2 × span_length <= cache_tokens_left``.
+``cache_tokens_available``) count keys and values separately and sum over blocks, i.e.
+``2 × Σ free tokens`` of the blocks' pools; Petals clients check
+``max_length × 2 × span_length <= cache_tokens_left``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import time
+from collections.abc import Sequence
+
+from petals.kv_cache import PAGE_TOKENS, BlockCache, PagePool
+from petals.server.backend import BlockBackend
+
+ADMISSION_POLL_SECONDS = 0.05  # how often a session waiting for free pages looks again
 
 
 class AllocationFailed(RuntimeError):
@@ -23,52 +30,59 @@ class AllocationFailed(RuntimeError):
 
 
 class CacheBudget:
-    """Byte accounting for KV caches, used from the server's event loop only."""
+    """The hosted blocks' page pools; admission is decided in the server's event loop."""
 
-    def __init__(self, max_bytes: int, bytes_per_token: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes_per_token = bytes_per_token
-        self.bytes_used = 0
-        self._freed = asyncio.Condition()
-
-    @property
-    def bytes_left(self) -> int:
-        return self.max_bytes - self.bytes_used
+    def __init__(
+        self, backends: Sequence[BlockBackend], tokens_per_block: int, page_tokens: int = PAGE_TOKENS
+    ):
+        page_tokens = max(1, min(page_tokens, tokens_per_block))
+        num_pages = max(1, tokens_per_block // page_tokens)
+        self.pools: dict[str, list[PagePool]] = {
+            backend.uid: backend.make_pools(num_pages, page_tokens) for backend in backends
+        }
+        self.num_pages, self.page_tokens = num_pages, page_tokens
 
     @property
     def tokens_left(self) -> int:
         """In Petals' unit (keys and values counted separately, summed over blocks)."""
-        return self.bytes_left * 2 // self.bytes_per_token
+        return 2 * sum(self._free_pages(uid) for uid in self.pools) * self.page_tokens
 
-    def session_bytes(self, batch_size: int, max_length: int, num_blocks: int) -> int:
-        return batch_size * max_length * self.bytes_per_token * num_blocks
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools take when full."""
+        return sum(pool.nbytes for pools in self.pools.values() for pool in pools)
 
-    @asynccontextmanager
-    async def reserve(self, nbytes: int, timeout: float = 0.0) -> AsyncIterator[None]:
-        """Hold ``nbytes`` for the duration of the block, waiting up to ``timeout`` seconds for them."""
-        if nbytes > self.max_bytes:
+    def _free_pages(self, uid: str) -> int:
+        return min(pool.free_pages for pool in self.pools[uid])
+
+    async def admit(
+        self,
+        backends: Sequence[BlockBackend],
+        batch_size: int,
+        max_length: int,
+        first_tokens: int,
+        timeout: float,
+    ) -> None:
+        """Check that a session could ever fit, and wait up to ``timeout`` s for its first step's pages."""
+        pages = -(-max_length // self.page_tokens) * batch_size
+        if pages > self.num_pages:
             raise AllocationFailed(
-                f"this session needs {nbytes} bytes of KV cache but the server's whole budget is {self.max_bytes} "
-                "bytes; use a smaller max_length or batch"
+                f"this session needs {batch_size} × {max_length} tokens of KV cache per block but the server's "
+                f"whole budget is {self.num_pages * self.page_tokens} tokens per block; use a smaller max_length "
+                "or batch"
             )
-        async with self._freed:
-            if timeout > 0:
-                try:
-                    await asyncio.wait_for(self._freed.wait_for(lambda: nbytes <= self.bytes_left), timeout)
-                except TimeoutError:
-                    pass
-            if nbytes > self.bytes_left:
+        needed = -(-first_tokens // self.page_tokens) * batch_size
+        deadline = time.monotonic() + timeout
+        while (free := min(self._free_pages(backend.uid) for backend in backends)) < needed:
+            if time.monotonic() >= deadline:
                 raise AllocationFailed(
-                    f"not enough KV cache: this session needs {nbytes} bytes, {self.bytes_left} are free; "
-                    "try again later or another server"
+                    f"not enough KV cache: this session's first step needs {needed} pages of {self.page_tokens} "
+                    f"tokens per block, {free} are free; try again later or another server"
                 )
-            self.bytes_used += nbytes
-        try:
-            yield
-        finally:
-            self.bytes_used -= nbytes  # synchronously: a cancelled session must still give its bytes back
-            asyncio.ensure_future(self._notify_freed())
+            await asyncio.sleep(ADMISSION_POLL_SECONDS)
 
-    async def _notify_freed(self) -> None:
-        async with self._freed:
-            self._freed.notify_all()
+    def open_caches(
+        self, backends: Sequence[BlockBackend], batch_size: int, max_length: int
+    ) -> list[BlockCache]:
+        """A session's caches on ``backends``' pools (they take pages as the session grows)."""
+        return [backend.open_cache(self.pools[backend.uid], batch_size, max_length) for backend in backends]

@@ -15,6 +15,7 @@ waits to fill a batch: steps that arrive while the worker is busy are merged, th
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -69,6 +70,7 @@ class ComputeQueue:
         self.tokens_processed = 0
         self.busy_seconds = 0.0
         self.batches_merged = 0  # calls that ran more than one task at once
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # tasks per batchable call
         self._max_threads = torch.get_num_threads()
 
     def start(self) -> None:
@@ -140,6 +142,8 @@ class ComputeQueue:
             except BaseException as exception:  # handed to the awaiting handlers, which report it
                 results, error = [None] * len(batch), exception
             self.batches_merged += len(batch) > 1
+            if batch[0].key is not None:
+                self.batch_sizes[len(batch)] += 1
             for task, result in zip(batch, results, strict=True):
                 try:
                     task.loop.call_soon_threadsafe(_settle, task.future, result, error)

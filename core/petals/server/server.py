@@ -245,8 +245,7 @@ class ServingSpan:
             len(hosted),
             self.settings.quant_type,
         )
-        max_bytes = self.settings.attn_cache_tokens * hosted.bytes_per_token * len(hosted)
-        self.budget = CacheBudget(max_bytes, hosted.bytes_per_token)
+        self.budget = CacheBudget(list(hosted.backends.values()), self.settings.attn_cache_tokens)
         limits = HandlerLimits(
             max_batch_size=self.settings.max_batch_size,
             inference_max_length=self.settings.inference_max_length,
@@ -270,7 +269,7 @@ class ServingSpan:
             str(self.settings.dtype).removeprefix("torch."),
             ", ".join(map(str, self.settings.tensor_parallel_devices or [self.settings.device])),
             self.settings.attn_cache_tokens,
-            max_bytes / 2**20,
+            self.budget.nbytes / 2**20,
         )
 
     def _load_blocks(self) -> list[BlockBackend]:

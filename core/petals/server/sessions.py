@@ -1,9 +1,11 @@
 """Open inference sessions: their caches, position and inbox (found by session id for ``rpc_push``),
 and the torch work of their steps, which runs in the compute thread.
 
-Decode steps of several sessions over the same blocks and at the same position run as one forward
-per block (``run_decode_steps``): their caches are stacked into one batch for the block, and the
-new keys and values are copied back into each session's own cache.
+Decode steps of several sessions over the same blocks run as one forward per block
+(``run_decode_steps``), whatever their positions and batch sizes: each block's cache is the
+sessions' caches merged (their page tables side by side over the block's pool): new keys and
+values land in each session's own pages, and attention reads every row's pages (one gather per
+block, left-padded to the longest row); no batch cache is built, and nothing is copied back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.proto import runtime_pb2
 
-from petals.kv_cache import BlockCache
+from petals.convert import ShardedCache
+from petals.kv_cache import BlockCache, CacheOverflowError, OutOfPagesError
 from petals.server.backend import BlockBackend
 from petals.wire import WireError, shown
 
@@ -27,7 +30,7 @@ class InferenceSession:
 
     session_id: str
     backends: list[BlockBackend]
-    caches: list[BlockCache]
+    caches: list[BlockCache | ShardedCache]
     batch_size: int
     max_length: int
     inbox: asyncio.Queue[runtime_pb2.ExpertRequest | None] = field(default_factory=asyncio.Queue)
@@ -42,14 +45,14 @@ class InferenceSession:
         """Sessions with equal keys compute the same function of their inputs (blocks and adapter)."""
         return tuple((backend.uid, backend.adapter) for backend in self.backends)
 
-    @property
-    def stackable(self) -> bool:
-        """Whether its steps can share a forward with other sessions' (plain caches, not sharded ones)."""
-        return all(isinstance(cache, BlockCache) for cache in self.caches)
-
     def close(self) -> None:
         """Ask the session's loop to finish (the loop frees the caches)."""
         self.inbox.put_nowait(None)
+
+    def release(self) -> None:
+        """Give the caches' pages back (in the compute thread: no forward is using them then)."""
+        for cache in self.caches:
+            cache.release()
 
     # ---- compute (in the compute thread) -----------------------------------------------------
 
@@ -60,6 +63,11 @@ class InferenceSession:
                 cache.rewind(start)
             if hypo_ids is not None:
                 cache.reorder(hypo_ids)
+
+    def reserve(self, new_tokens: int) -> None:
+        """Take the pages a step of ``new_tokens`` tokens needs on every block, before computing it."""
+        for cache in self.caches:
+            cache.reserve(new_tokens)
 
     def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         return self.backends[index].inference_step(hidden, prompt, self.caches[index])
@@ -80,54 +88,32 @@ class DecodeStep:
     start: int | None
 
 
-def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor]:
-    """Run same-position steps of sessions over the same blocks, one forward per block for all."""
-    for step in steps:
-        step.session.prepare(step.hypo_ids, step.start)
-    if steps[0].hidden.shape[1] == 0:  # a pre-allocation or rewind-only step
-        return [step.hidden for step in steps]
-    if len(steps) == 1 or not steps[0].session.stackable:
-        return [step.session.run_blocks(step.hidden, [None] * len(step.session.backends)) for step in steps]
-    sizes = [step.hidden.shape[0] for step in steps]
-    hidden = torch.cat([step.hidden for step in steps])
-    for index, backend in enumerate(steps[0].session.backends):
-        caches = [step.session.caches[index] for step in steps]
-        stacked = stack_caches(caches, hidden.shape[1])
-        hidden = backend.inference_step(hidden, None, stacked)
-        unstack_caches(stacked, caches)
-    return list(hidden.cpu().split(sizes))
+def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
+    """Run steps of sessions over the same blocks (as many new tokens each), one forward per block for all.
 
-
-def stack_caches(caches: list[BlockCache], new_tokens: int) -> BlockCache:
-    """One cache holding ``caches`` (all at the same position) along the batch, with room for the step."""
-    first = caches[0].layer
-    position = first.length
-    stacked = BlockCache(
-        caches[0].layout,
-        sum(cache.num_sequences for cache in caches),
-        position + new_tokens,
-        first.keys.dtype,
-        first.keys.device,
-    )
-    row = 0
-    for cache in caches:
-        rows = slice(row, row + cache.num_sequences)
-        stacked.layer.keys[rows, :, :position] = cache.layer.keys[:, :, :position]
-        stacked.layer.values[rows, :, :position] = cache.layer.values[:, :, :position]
-        row += cache.num_sequences
-    stacked.layer.length = position
-    return stacked
-
-
-def unstack_caches(stacked: BlockCache, caches: list[BlockCache]) -> None:
-    """Copy the keys and values a step added to ``stacked`` back into each session's cache."""
-    start, end, row = caches[0].position, stacked.position, 0
-    for cache in caches:
-        rows = slice(row, row + cache.num_sequences)
-        cache.layer.keys[:, :, start:end] = stacked.layer.keys[rows, :, start:end]
-        cache.layer.values[:, :, start:end] = stacked.layer.values[rows, :, start:end]
-        cache.layer.length = end
-        row += cache.num_sequences
+    A session whose rewind, reorder or pages fail gets its error as its result; the others run.
+    """
+    results: list[torch.Tensor | Exception | None] = [None] * len(steps)
+    ready = []
+    for index, step in enumerate(steps):
+        try:
+            step.session.prepare(step.hypo_ids, step.start)
+            step.session.reserve(step.hidden.shape[1])
+            ready.append(index)
+        except (OutOfPagesError, CacheOverflowError, ValueError) as error:
+            results[index] = error
+    if ready and steps[0].hidden.shape[1] > 0:  # not a pre-allocation or rewind-only step
+        batch = [steps[index] for index in ready]
+        hidden = torch.cat([step.hidden for step in batch])
+        for block, backend in enumerate(batch[0].session.backends):
+            caches = [step.session.caches[block] for step in batch]
+            hidden = backend.inference_step(hidden, None, caches[0].merged(caches))
+        outputs = hidden.cpu().split([step.hidden.shape[0] for step in batch])
+    else:
+        outputs = [steps[index].hidden for index in ready]
+    for index, output in zip(ready, outputs, strict=True):
+        results[index] = output
+    return results
 
 
 class SessionRegistry:
@@ -149,7 +135,6 @@ class SessionRegistry:
             yield session
         finally:
             del self._sessions[session.session_id]
-            session.caches.clear()
 
     def close_all(self) -> None:
         for session in list(self._sessions.values()):

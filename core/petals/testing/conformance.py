@@ -12,7 +12,10 @@ only:
 4. exactness (fp32): logits of the full transformers model equal embeddings → blocks loaded one by
    one with ``load_block`` → head, without a cache and through a prefill, single-token steps and a
    multi-token step, with the blocks split over two independent sets of caches as two servers
-   would hold them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``).
+   would hold them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``);
+5. batching (fp32): sessions of different lengths and batch sizes, starting at different times, with
+   their caches in pages of one shared pool per block, run their steps merged into one forward per
+   block, and each session's outputs equal its own solo run (including a reorder and a rewind).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from petals.auto import AutoDistributedConfig
 from petals.block import allocate_cache, kv_cache_layout
 from petals.config import DistributedConfigMixin, validate_dht_prefix
-from petals.kv_cache import BlockCache
+from petals.kv_cache import BlockCache, PagePool
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -62,6 +65,7 @@ class ConformanceReport:
     dht_prefix: str
     cache_bytes_per_token: int
     max_abs_diff: dict[str, float] = field(default_factory=dict)
+    merged_sessions_diff: float | None = None  # the largest output difference, merged vs solo sessions
 
 
 def check_prefix_rules(examples: Mapping[str, str], config: PretrainedConfig) -> None:
@@ -113,6 +117,7 @@ def check_family(
         config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32)
     )
     _check_exactness(reference, distributed, blocks, report, schedule)
+    _check_merged_sessions(distributed, blocks, report, schedule)
     return report
 
 
@@ -206,3 +211,89 @@ def _check_exactness(
         for cache in server_caches:
             cache.rewind(cache.position - 1)
         compare("step replayed after rewind", expected, ours(next_ids))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One inference step of one session: new hidden states, after an optional rewind and reorder."""
+
+    hidden: torch.Tensor
+    rewind_to: int | None = None
+    hypo_ids: torch.Tensor | None = None
+
+
+def _merged_schedule(hidden_size: int, seed: int) -> list[dict[int, _Step]]:
+    """Three sessions' steps by tick: different batch sizes and prompt lengths, started at different
+    ticks; the second reorders its beams and the first rewinds one token while others keep going."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def hidden(batch_size: int, length: int) -> torch.Tensor:
+        return torch.randn(batch_size, length, hidden_size, generator=generator)
+
+    sessions = []
+    for batch_size, prefill, start in ((1, 5, 0), (2, 2, 1), (1, 9, 4)):
+        steps = {start: _Step(hidden(batch_size, prefill))}
+        steps.update({tick: _Step(hidden(batch_size, 1)) for tick in range(start + 1, 9)})
+        sessions.append(steps)
+    sessions[1][6] = _Step(hidden(2, 1), hypo_ids=torch.tensor([1, 0]))
+    sessions[0][7] = _Step(hidden(1, 1), rewind_to=5 + 5)  # forgets the step of tick 6
+    return sessions
+
+
+def _check_merged_sessions(
+    config: PretrainedConfig,
+    blocks: list[torch.nn.Module],
+    report: ConformanceReport,
+    schedule: StepSchedule,
+) -> None:
+    sessions = _merged_schedule(config.hidden_size, schedule.seed)
+    max_length = 16
+    solo: list[dict[int, torch.Tensor]] = []
+    with torch.no_grad():
+        for steps in sessions:
+            batch_size = next(iter(steps.values())).hidden.shape[0]
+            caches = [allocate_cache(config, batch_size, max_length) for _ in blocks]
+            solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
+
+        layout = kv_cache_layout(config)
+        pools = [PagePool(layout, num_pages=40, page_tokens=3) for _ in blocks]  # steps cross page edges
+        caches = [
+            [BlockCache.paged(pool, next(iter(steps.values())).hidden.shape[0], max_length) for pool in pools]
+            for steps in sessions
+        ]
+        worst = 0.0
+        for tick in range(max(max(steps) for steps in sessions) + 1):
+            running = [index for index, steps in enumerate(sessions) if tick in steps]
+            for length in {sessions[index][tick].hidden.shape[1] for index in running}:
+                group = [index for index in running if sessions[index][tick].hidden.shape[1] == length]
+                outputs = _run_step(blocks, [caches[i] for i in group], [sessions[i][tick] for i in group])
+                for index, output in zip(
+                    group, outputs.split([len(caches[i][0].tables) for i in group]), strict=True
+                ):
+                    diff = (output - solo[index][tick]).abs().max().item()
+                    worst = max(worst, diff)
+                    assert diff <= schedule.atol, (
+                        f"{config.model_type}: session {index} at tick {tick}, merged with sessions {group}, "
+                        f"differs from its solo run by {diff:.3g} > {schedule.atol}"
+                    )
+        report.merged_sessions_diff = worst
+        for session_caches in caches:
+            for cache in session_caches:
+                cache.release()
+        assert all(pool.free_pages == pool.num_pages for pool in pools), "released caches kept pages"
+
+
+def _run_step(
+    blocks: list[torch.nn.Module], session_caches: list[list[BlockCache]], steps: list[_Step]
+) -> torch.Tensor:
+    """One step of each session (the same number of new tokens), all in one forward per block."""
+    for caches, step in zip(session_caches, steps, strict=True):
+        for cache in caches:
+            if step.rewind_to is not None:
+                cache.rewind(step.rewind_to)
+            if step.hypo_ids is not None:
+                cache.reorder(step.hypo_ids)
+    hidden = torch.cat([step.hidden for step in steps])
+    for index, block in enumerate(blocks):
+        hidden = block(hidden, BlockCache.merged([caches[index] for caches in session_caches]))
+    return hidden
