@@ -82,6 +82,7 @@ class Result:
     checks: list[Check]
     measurements: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the result (e.g. a latency breakdown)
 
 
 Benchmark = Callable[["Context"], Result]
@@ -179,6 +180,7 @@ class Context:
         self._paths: dict[str, Path] = {}
         self._local: dict[str, torch.nn.Module] = {}
         self._swarm: tuple[tuple[str, int], Swarm, contextlib.ExitStack] | None = None
+        self.shared: dict[str, Any] = {}  # measurements later benchmarks of the run reuse (transport floor)
 
     def pick(self, full: Any, quick: Any) -> Any:
         return quick if self.quick else full
@@ -302,6 +304,7 @@ def write_result(name: str, result: Result, results_dir: Path, command: str, qui
         "quick": quick,
         "measurements": result.measurements,
         "settings": result.settings,
+        "notes": result.notes,
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),

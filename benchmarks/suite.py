@@ -6,10 +6,12 @@ from benchmarks import (
     generation_latency,
     server_memory,
     server_start,
+    transport_floor,
 )
 
 SUITE = {
     **server_start.BENCHMARKS,
+    **transport_floor.BENCHMARKS,
     "latency_tiny_llama": generation_latency.BENCHMARKS["latency_tiny_llama"],
     **concurrent_sessions.BENCHMARKS,
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
