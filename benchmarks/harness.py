@@ -35,6 +35,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 RESULTS_DIR = Path(__file__).parent / "results"
 # beyond running_swarm's float32: a fixed throughput, so no server measures its own at start
 SERVER_ARGS = ("--throughput", "1")
+# servers time the steps whose request asks for it (the latency benchmarks' traced run), no others
+TRACING_SERVERS = {"PETALS_TRACE": "1"}
 
 # (a), (d), (f): the tiny Llama Petals 2.2 was measured with (5.37x per-token latency here)
 TINY_LLAMA = LlamaConfig(
@@ -230,7 +232,9 @@ class Context:
         bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
         ranges = [f"{start}:{end}" for start, end in itertools.pairwise(bounds)]
         stack = contextlib.ExitStack()
-        dht, processes = stack.enter_context(running_swarm(path, *ranges, server_args=SERVER_ARGS))
+        dht, processes = stack.enter_context(
+            running_swarm(path, *ranges, server_args=SERVER_ARGS, env=TRACING_SERVERS)
+        )
         swarm = Swarm(path, dht.initial_peers, processes)
         stack.callback(swarm.close_clients)
         self._swarm = (key, swarm, stack)

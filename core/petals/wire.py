@@ -181,6 +181,7 @@ _METADATA_CHECKS = {
     "start_from_position": lambda v: _is_int(v) and v >= 0,
     "next_servers": lambda v: isinstance(v, list | tuple) and all(_is_next_server(item) for item in v),
     "pushed": lambda v: isinstance(v, bool),
+    "trace": lambda v: isinstance(v, bool),
     "output_compression": lambda v: isinstance(v, list | tuple) and all(c in WIRE_COMPRESSIONS for c in v),
 }
 

@@ -9,6 +9,7 @@ new keys and values are copied back into each session's own cache.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from hivemind.proto import runtime_pb2
 
 from petals.kv_cache import BlockCache
 from petals.server.backend import BlockBackend
+from petals.tracing import StepTrace
 
 
 @dataclass
@@ -29,7 +31,10 @@ class InferenceSession:
     caches: list[BlockCache]
     batch_size: int
     max_length: int
-    inbox: asyncio.Queue[runtime_pb2.ExpertRequest | None] = field(default_factory=asyncio.Queue)
+    # requests from the client's stream and from pushes, with their arrival (perf_counter, when tracing)
+    inbox: asyncio.Queue[tuple[runtime_pb2.ExpertRequest, float] | None] = field(
+        default_factory=asyncio.Queue
+    )
     done_steps: set[str] = field(default_factory=set)
 
     @property
@@ -63,9 +68,13 @@ class InferenceSession:
     def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         return self.backends[index].inference_step(hidden, prompt, self.caches[index])
 
-    def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
+    def run_blocks(
+        self, hidden: torch.Tensor, prompts: list[torch.Tensor | None], traces: list[StepTrace] = ()
+    ) -> torch.Tensor:
         for index, prompt in enumerate(prompts):
+            started = time.perf_counter() if traces else 0.0
             hidden = self.run_block(index, hidden, prompt)
+            _record_block(traces, self.backends[index], started)
         return hidden.cpu()
 
 
@@ -77,24 +86,51 @@ class DecodeStep:
     hidden: torch.Tensor
     hypo_ids: torch.Tensor | None
     start: int | None
+    trace: StepTrace | None = None  # timed when the request asked for a trace (PETALS_TRACE)
 
 
 def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor]:
     """Run same-position steps of sessions over the same blocks, one forward per block for all."""
+    traces = [step.trace for step in steps if step.trace is not None]
+    for trace in traces:
+        trace.mark("compute started")
+    outputs = _run_decode_steps(steps, traces)
+    for trace in traces:
+        trace.mark("compute ended")
+    return outputs
+
+
+def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[torch.Tensor]:
     for step in steps:
         step.session.prepare(step.hypo_ids, step.start)
     if steps[0].hidden.shape[1] == 0:  # a pre-allocation or rewind-only step
         return [step.hidden for step in steps]
     if len(steps) == 1 or not steps[0].session.stackable:
-        return [step.session.run_blocks(step.hidden, [None] * len(step.session.backends)) for step in steps]
+        return [
+            step.session.run_blocks(step.hidden, [None] * len(step.session.backends), _own(step))
+            for step in steps
+        ]
     sizes = [step.hidden.shape[0] for step in steps]
     hidden = torch.cat([step.hidden for step in steps])
     for index, backend in enumerate(steps[0].session.backends):
+        started = time.perf_counter() if traces else 0.0
         caches = [step.session.caches[index] for step in steps]
         stacked = stack_caches(caches, hidden.shape[1])
         hidden = backend.inference_step(hidden, None, stacked)
         unstack_caches(stacked, caches)
+        _record_block(traces, backend, started)
     return list(hidden.cpu().split(sizes))
+
+
+def _own(step: DecodeStep) -> list[StepTrace]:
+    return [step.trace] if step.trace is not None else []
+
+
+def _record_block(traces: list[StepTrace], backend: BlockBackend, started: float) -> None:
+    if traces:
+        seconds = time.perf_counter() - started
+        for trace in traces:
+            trace.add(f"compute {backend.uid}", seconds)
 
 
 def stack_caches(caches: list[BlockCache], new_tokens: int) -> BlockCache:
