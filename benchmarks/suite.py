@@ -7,6 +7,7 @@ from benchmarks import (
     server_memory,
     server_start,
     transport_floor,
+    wan_latency,
 )
 
 SUITE = {
@@ -17,4 +18,5 @@ SUITE = {
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **forward_throughput.BENCHMARKS,
     **server_memory.BENCHMARKS,
+    **wan_latency.BENCHMARKS,
 }
