@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 EMPTY = torch.empty(0)
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+# most steps send no prompts and no hypo_ids: their placeholders are serialized once
+EMPTY_PROTO, EMPTY_IDS_PROTO = serialize_tensor(EMPTY), serialize_tensor(EMPTY_IDS)
 ON_NETWORK_LOOP = "client: on network loop"  # the step's time on the loop thread (serialization, waits)
 
 
@@ -70,9 +72,14 @@ class _ServerSession:
     ) -> torch.Tensor:
         config = self.manager.config
         started = time.perf_counter() if trace is not None else 0.0
-        tensors, args_structure = pack_args_kwargs(
+        _, args_structure = pack_args_kwargs(
             hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
         )
+        protos = [
+            serialize_tensor(hidden),
+            EMPTY_PROTO if prompts is None else serialize_tensor(prompts),
+            EMPTY_IDS_PROTO if hypo_ids is None else serialize_tensor(hypo_ids),
+        ]
         metadata: dict[str, Any] = {
             "session_id": self.session_id,
             "step_id": step_id,
@@ -86,7 +93,7 @@ class _ServerSession:
             metadata["trace"] = True
         request = runtime_pb2.ExpertRequest(
             uid=self.manager.chain_uid(self.span.start, self.span.end),
-            tensors=[serialize_tensor(tensor) for tensor in tensors],
+            tensors=protos,
             metadata=write_metadata(metadata),
         )
         if trace is not None:
