@@ -8,7 +8,7 @@ the servers), taking turns in one process. Seconds per new token include the pre
 the inference session: what a user waits for. Ratio = best swarm time / best local time.
 The overhead over transformers is also printed as a multiple of the transport floor (one stream
 round trip per server, ``transport_floor`` measured in the same run), and one more, traced run
-(``petals.tracing``, servers started with ``PETALS_TRACE=1``) prints the median decode step's time
+(``petals.tracing``, servers started with ``PETALS_TRACE=1``) prints the mean decode step's time
 as the client and each server measured it.
 (a) tiny Llama (hidden 256, 8 layers, GQA 8/4, fp32), 2 servers x 4 blocks; Petals 2.2: 5.37x.
 (b) SmolLM2-135M-Instruct (fp32), 3 servers x 10 blocks.
@@ -57,7 +57,7 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
         f"per token: local {per_token['local']['best'] * 1e3:.2f} ms, swarm {per_token['swarm']['best'] * 1e3:.2f} ms "
         f"(best of {repeats}); overhead {overhead * 1e3:.2f} ms = {overhead / (servers * round_trip):.1f}x "
         f"the transport floor ({servers} servers x {round_trip * 1e3:.3f} ms stream round trip)",
-        "traced decode step (median ms, measured in the client and server processes):",
+        "traced decode step (mean ms, measured in the client and server processes):",
         *describe_breakdown(breakdown),
     ]
     return Result(
@@ -85,12 +85,12 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
 
 
 def traced_decode_step(run) -> dict[str, float]:
-    """Median seconds per name over the decode steps (not the prefill) of one traced run."""
+    """Mean seconds per name over the decode steps (not the prefill) of one traced run."""
     from petals import tracing
 
     with tracing.collect() as steps:
         run()
-    return tracing.medians(steps[1:])
+    return tracing.means(steps[1:])
 
 
 BLOCK = re.compile(r"^(server \d+/\d+): compute ")

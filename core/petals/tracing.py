@@ -3,7 +3,7 @@
 Set ``PETALS_TRACE=1`` in the environment of the client and of the servers you run. The client then
 times every step of its inference sessions (embeddings, LM head and generate's own logic, its
 thread hand-off, (de)serialization, the wait for each server), asks the servers for their timings
-(the optional request metadata key ``"trace"``), and logs the medians when a session closes.
+(the optional request metadata key ``"trace"``), and logs the means when a session closes.
 A server started with ``PETALS_TRACE=1`` times the steps whose request asks for it (arrival to
 compute queue, queue wait, compute per block, hand-back to the event loop, serialization, push)
 and returns them under the optional response metadata key ``"server_trace"``; stock Petals peers never
@@ -91,19 +91,22 @@ def collect() -> Iterator[list[dict[str, float]]]:
         client_log = previous
 
 
-def medians(steps: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Median seconds per name over the steps that recorded it, in first-recorded order."""
+def means(steps: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Mean seconds per name over the steps that recorded it, in first-recorded order.
+
+    Means, not medians: the parts of a step then add up to its total (sums of medians do not).
+    """
     values: dict[str, list[float]] = {}
     for step in steps:
         for name, seconds in step.items():
             values.setdefault(name, []).append(seconds)
-    return {name: statistics.median(samples) for name, samples in values.items()}
+    return {name: statistics.fmean(samples) for name, samples in values.items()}
 
 
-def format_medians(steps: list[dict[str, float]]) -> str:
-    return ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in medians(steps).items())
+def format_means(steps: list[dict[str, float]]) -> str:
+    return ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in means(steps).items())
 
 
 def log_session(steps: list[dict[str, float]]) -> None:
     if steps:
-        logger.info("%s: median per step over %d steps: %s", TRACE_ENV, len(steps), format_medians(steps))
+        logger.info("%s: mean per step over %d steps: %s", TRACE_ENV, len(steps), format_means(steps))
