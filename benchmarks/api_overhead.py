@@ -65,7 +65,7 @@ def api_overhead(ctx: Context) -> Result:
     }
     ratio = per_token["swarm"]["best"] / per_token["local"]["best"]
     return Result(
-        item="g",
+        item="i",
         title="per-token latency of a streamed chat completion through petals api (SmolLM2, 3 servers)",
         ratio=ratio,
         baseline="the same generation with the Python client, same swarm",

@@ -35,6 +35,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 RESULTS_DIR = Path(__file__).parent / "results"
 # beyond running_swarm's float32: a fixed throughput, so no server measures its own at start
 SERVER_ARGS = ("--throughput", "1")
+# servers time the steps whose request asks for it (the latency benchmarks' traced run), no others
+TRACING_SERVERS = {"PETALS_TRACE": "1"}
 
 # (a), (d), (f): the tiny Llama Petals 2.2 was measured with (5.37x per-token latency here)
 TINY_LLAMA = LlamaConfig(
@@ -82,6 +84,7 @@ class Result:
     checks: list[Check]
     measurements: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the result (e.g. a latency breakdown)
 
 
 Benchmark = Callable[["Context"], Result]
@@ -179,6 +182,7 @@ class Context:
         self._paths: dict[str, Path] = {}
         self._local: dict[str, torch.nn.Module] = {}
         self._swarm: tuple[tuple[str, int], Swarm, contextlib.ExitStack] | None = None
+        self.shared: dict[str, Any] = {}  # measurements later benchmarks of the run reuse (transport floor)
 
     def pick(self, full: Any, quick: Any) -> Any:
         return quick if self.quick else full
@@ -228,7 +232,9 @@ class Context:
         bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
         ranges = [f"{start}:{end}" for start, end in itertools.pairwise(bounds)]
         stack = contextlib.ExitStack()
-        dht, processes = stack.enter_context(running_swarm(path, *ranges, server_args=SERVER_ARGS))
+        dht, processes = stack.enter_context(
+            running_swarm(path, *ranges, server_args=SERVER_ARGS, env=TRACING_SERVERS)
+        )
         swarm = Swarm(path, dht.initial_peers, processes)
         stack.callback(swarm.close_clients)
         self._swarm = (key, swarm, stack)
@@ -302,6 +308,7 @@ def write_result(name: str, result: Result, results_dir: Path, command: str, qui
         "quick": quick,
         "measurements": result.measurements,
         "settings": result.settings,
+        "notes": result.notes,
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),

@@ -33,6 +33,7 @@ def describe(record: dict[str, Any]) -> str:
         lines.append(
             f"  {check['name']}: {formatted(check['value'], check['unit'])} (goal {goal}: {verdict})"
         )
+    lines.extend(f"  {note}" for note in record.get("notes", []))
     return "\n".join(lines)
 
 
@@ -42,6 +43,10 @@ def table(records: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- |",
     ]
     for record in records:
+        if not record["checks"]:  # a measurement with no goal (the transport floor): its ratio
+            rows.append(
+                f"| ({record['item']}) {record['benchmark']}: vs {record['baseline']} | {record['ratio']:.2f}x | - | - |"
+            )
         for check in record["checks"]:
             rows.append(
                 f"| ({record['item']}) {record['benchmark']}: {check['name']} | {formatted(check['value'], check['unit'])} "
@@ -66,6 +71,8 @@ def chart(records: list[dict[str, Any]], path: Path) -> None:
     from matplotlib import pyplot
 
     checks = [(record, check) for record in records for check in record["checks"]]
+    if not checks:
+        return
     columns = min(4, len(checks))
     rows = math.ceil(len(checks) / columns)
     figure, axes = pyplot.subplots(rows, columns, figsize=(3.2 * columns, 3.0 * rows), squeeze=False)

@@ -7,14 +7,18 @@ from benchmarks import (
     generation_latency,
     server_memory,
     server_start,
+    transport_floor,
+    wan_latency,
 )
 
 SUITE = {
     **server_start.BENCHMARKS,
+    **transport_floor.BENCHMARKS,
     "latency_tiny_llama": generation_latency.BENCHMARKS["latency_tiny_llama"],
     **concurrent_sessions.BENCHMARKS,
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **api_overhead.BENCHMARKS,  # on latency_smollm2's swarm
     **forward_throughput.BENCHMARKS,
     **server_memory.BENCHMARKS,
+    **wan_latency.BENCHMARKS,
 }

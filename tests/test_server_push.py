@@ -7,15 +7,22 @@ import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 from transformers import AutoModelForCausalLM
 
 import petals
 from conftest import LOOPBACK_CLIENT, running_swarm
-from petals.data_structures import ServerInfo
-from petals.testing.wire_client import WireClient
+from petals.auto import AutoDistributedConfig
+from petals.client.inference_session import InferenceSession
+from petals.client.inference_session import _ServerSession as ServerSession
+from petals.client.routing import RemoteSequenceManager
+from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
+from petals.testing.wire_client import WireClient, make_request
 
 NEW_TOKENS = 24
 PREFIX = "tiny-llama-hf"
+HIDDEN = 64
+PEERS = [PeerID(name).to_base58() for name in (b"first", b"second", b"third")]
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +95,58 @@ def test_servers_announce_pings_to_the_next_servers(swarm):
     assert set(pings) == {second.peer_id}
     assert type(pings[second.peer_id]) is float and 0 < pings[second.peer_id] < math.inf
     assert announced(second) == {}  # its span ends the model: nobody comes after it
+
+
+def test_a_step_computed_before_is_dropped_before_its_tensors_are_decoded(swarm):
+    _, _, (_, second), client = swarm
+    uids = [f"{PREFIX}.2", f"{PREFIX}.3"]
+    stream = client.inference(second.peer_id, uids, max_length=8)
+    try:
+        before = stats(swarm)[1]["duplicate_steps_dropped"]
+        hidden = torch.randn(1, 1, HIDDEN)
+        stream.step(hidden, step_id="step-0")
+        empty = [torch.empty(0), torch.empty(0, dtype=torch.int64)]
+        copy = make_request(uids, [hidden, *empty], {"session_id": stream.session_id, "step_id": "step-0"})
+        copy.tensors[0].dtype = "object"  # decoding it would fail the session with a WireError
+        stream.post(copy)
+        assert stream.step(torch.randn(1, 1, HIDDEN), step_id="step-1").shape == (1, 1, HIDDEN)
+        assert stats(swarm)[1]["duplicate_steps_dropped"] == before + 1
+    finally:
+        stream.close()
+
+
+def spans_with_pings(path, announced: float | None, client_rtts: tuple[float, float, float]):
+    """A session over three servers whose client pinged them ``client_rtts`` and whose first announces
+    ``announced`` to the second (the second announces 2 ms to the third)."""
+    config = AutoDistributedConfig.from_pretrained(path)
+    manager = RemoteSequenceManager(config, network=None, num_blocks=3)
+    peers = [PeerID.from_base58(peer) for peer in PEERS]
+    manager.pings = dict(zip(peers, client_rtts, strict=True))
+    next_pings = [{PEERS[1]: announced} if announced is not None else None, {PEERS[2]: 0.002}, None]
+    spans = [
+        RemoteSpanInfo(peer, block, block + 1, ServerInfo(ServerState.ONLINE, 1.0, next_pings=pings))
+        for block, (peer, pings) in enumerate(zip(peers, next_pings, strict=True))
+    ]
+    session = InferenceSession(manager, max_length=8)
+    session._sessions = [ServerSession(manager, span, 8) for span in spans]
+    for server_session in session._sessions:
+        server_session.position = session.position = 4
+    return session
+
+
+def push_targets(session, index: int) -> list[int]:
+    return [start for _, _, start, _ in session._next_servers(index) or []]
+
+
+def test_pushes_go_only_where_they_arrive_before_the_clients_copy(swarm):
+    path = swarm[0]
+    # the first server is 20 ms from the second; the client is 5 ms from each: its copy arrives first
+    session = spans_with_pings(path, announced=0.020, client_rtts=(0.005, 0.005, 0.005))
+    assert push_targets(session, 0) == []  # the first server does not push ...
+    assert push_targets(session, 1) == [2]  # ... but the second still pushes into the third
+    # close servers, a far client: the whole chain pushes
+    session = spans_with_pings(path, announced=0.002, client_rtts=(0.040, 0.040, 0.040))
+    assert push_targets(session, 0) == [1, 2]
+    # nothing announced yet: push, as Petals does (a copy that comes second is dropped unread)
+    session = spans_with_pings(path, announced=None, client_rtts=(0.005, 0.005, 0.005))
+    assert push_targets(session, 0) == [1, 2]

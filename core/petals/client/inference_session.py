@@ -22,15 +22,19 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
+from petals import tracing
 from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
 from petals.client.rpc import open_inference_stream
 from petals.data_structures import RemoteSpanInfo
-from petals.wire import deserialize_tensor, pack_args_kwargs, serialize_tensor, write_metadata
+from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
 
 logger = logging.getLogger(__name__)
 
 EMPTY = torch.empty(0)
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+# most steps send no prompts and no hypo_ids: their placeholders are serialized once
+EMPTY_PROTO, EMPTY_IDS_PROTO = serialize_tensor(EMPTY), serialize_tensor(EMPTY_IDS)
+ON_NETWORK_LOOP = "client: on network loop"  # the step's time on the loop thread (serialization, waits)
 
 
 class _ServerSession:
@@ -62,11 +66,19 @@ class _ServerSession:
         hypo_ids: torch.Tensor | None,
         step_id: str,
         next_servers: list[list[Any]] | None,
+        trace: tracing.StepTrace | None = None,
+        name: str = "server",
     ) -> torch.Tensor:
         config = self.manager.config
-        tensors, args_structure = pack_args_kwargs(
+        started = time.perf_counter() if trace is not None else 0.0
+        _, args_structure = pack_args_kwargs(
             hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
         )
+        protos = [
+            serialize_tensor(hidden),
+            EMPTY_PROTO if prompts is None else serialize_tensor(prompts),
+            EMPTY_IDS_PROTO if hypo_ids is None else serialize_tensor(hypo_ids),
+        ]
         metadata: dict[str, Any] = {
             "session_id": self.session_id,
             "step_id": step_id,
@@ -76,11 +88,15 @@ class _ServerSession:
             metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
         if next_servers:
             metadata["next_servers"] = next_servers
+        if trace is not None:
+            metadata["trace"] = True
         request = runtime_pb2.ExpertRequest(
             uid=self.manager.chain_uid(self.span.start, self.span.end),
-            tensors=[serialize_tensor(tensor) for tensor in tensors],
+            tensors=protos,
             metadata=write_metadata(metadata),
         )
+        if trace is not None:
+            started = trace.add_since("client: serialization", started)
         if self._responses is None:
             self._responses = await asyncio.wait_for(
                 open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
@@ -88,11 +104,15 @@ class _ServerSession:
             )
         tokens = hidden.shape[0] * hidden.shape[1]
         deadlines = self.manager.step_deadlines
-        started = time.perf_counter()
+        sent = time.perf_counter()
         self._requests.put_nowait(request)
         async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
             response = await anext(self._responses)
-        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - started)
+        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
+        if trace is not None:
+            trace.add_since(f"client: wait for {name}", started)
+            self._record_server_trace(response, trace, name)
+            started = time.perf_counter()
         if len(response.tensors) != 1:
             raise ServerMisbehaved(
                 f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
@@ -104,7 +124,21 @@ class _ServerSession:
             )
         self._history.append(hidden)
         self.position += hidden.shape[1]
+        if trace is not None:
+            trace.add_since("client: serialization", started)
         return output.to(hidden.dtype)
+
+    @staticmethod
+    def _record_server_trace(
+        response: runtime_pb2.ExpertResponse, trace: tracing.StepTrace, name: str
+    ) -> None:
+        """The server's own timings of this step, when it traces (``PETALS_TRACE`` on the server too)."""
+        try:
+            times = read_metadata(response.metadata).get("server_trace")
+        except ValueError:
+            return
+        if isinstance(times, dict):
+            trace.merge(f"{name}: ", {k: v for k, v in times.items() if isinstance(v, int | float)})
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         if self._history:
@@ -145,6 +179,8 @@ class InferenceSession:
         self._sessions: list[_ServerSession] = []
         self._first_prompts: torch.Tensor | None = None  # deep prompts of position 0, replayed on failover
         self._closed = False
+        self._traced_steps: list[dict[str, float]] = []  # with tracing on: logged when the session closes
+        self._last_step_end: float | None = None
 
     @property
     def route(self) -> list[RemoteSpanInfo]:
@@ -161,6 +197,7 @@ class InferenceSession:
             self._closed = True
             sessions, self._sessions = self._sessions, []
             self.manager.network.run(_close_all(sessions), timeout=30)
+            tracing.log_session(self._traced_steps)
 
     def step(
         self, hidden: torch.Tensor, prompts: torch.Tensor | None = None, hypo_ids: torch.Tensor | None = None
@@ -186,12 +223,57 @@ class InferenceSession:
         inputs = hidden.detach().cpu()
         hypo_ids = hypo_ids.detach().cpu().to(torch.int64) if hypo_ids is not None else None
         prompts = prompts.detach().cpu() if prompts is not None and prompts.numel() else None
-        output = self.manager.network.run(self._step(inputs, prompts, hypo_ids))
+        log = tracing.client_log
+        if log is None:
+            output = self.manager.network.run(self._step(inputs, prompts, hypo_ids))
+        else:
+            output = self._traced_step(log, inputs, prompts, hypo_ids)
         self.position += hidden.shape[1]
         return output.to(device=device, dtype=dtype)
 
+    def _traced_step(
+        self,
+        log: tracing.StepLog,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``_step`` with its time split up; the gap since the previous step is the client's own compute."""
+        trace = log.take_pending()
+        started = time.perf_counter()
+        if self._last_step_end is not None:
+            own = started - self._last_step_end - trace.times.get("client: embeddings", 0.0)
+            trace.add("client: LM head + generate logic", own)
+        output = self.manager.network.run(self._step(hidden, prompts, hypo_ids, trace))
+        self._last_step_end = time.perf_counter()
+        total = self._last_step_end - started
+        trace.add("client: thread hand-off", total - trace.times[ON_NETWORK_LOOP])
+        trace.add("client: step total", total)
+        log.steps.append(trace.times)
+        self._traced_steps.append(trace.times)
+        return output
+
     async def _step(
-        self, hidden: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        trace: tracing.StepTrace | None = None,
+    ) -> torch.Tensor:
+        if trace is None:
+            return await self._run_step(hidden, prompts, hypo_ids, None)
+        started = time.perf_counter()
+        try:
+            return await self._run_step(hidden, prompts, hypo_ids, trace)
+        finally:
+            trace.add_since(ON_NETWORK_LOOP, started)
+
+    async def _run_step(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        trace: tracing.StepTrace | None,
     ) -> torch.Tensor:
         if hypo_ids is not None:
             for session in self._sessions:
@@ -228,6 +310,8 @@ class InferenceSession:
                     None if fresh else hypo_ids,
                     step_id,
                     None if fresh else self._next_servers(index),
+                    trace,
+                    _server_name(index, len(self._sessions)),
                 )
                 self.manager.on_request_success(session.span.peer_id)
                 if fresh:
@@ -280,10 +364,30 @@ class InferenceSession:
         return replay
 
     def _next_servers(self, index: int) -> list[list[Any]] | None:
-        """Downstream sessions that already hold this session's past, for server-to-server pushes."""
+        """Downstream sessions that already hold this session's past, for server-to-server pushes.
+
+        The chain stops before the first hop where a push would arrive later than the client's copy.
+        """
         if not self.manager.config.use_server_to_server or self.position == 0:
             return None
         downstream = self._sessions[index + 1 :]
         if not downstream or any(session.position != self.position for session in downstream):
             return None
-        return [[s.span.peer_id.to_base58(), s.session_id, s.span.start, s.span.end] for s in downstream]
+        chain = []
+        for sender, receiver in zip(self._sessions[index:], downstream, strict=False):
+            if not self.manager.push_pays(sender.span, receiver.span.peer_id):
+                break
+            chain.append(
+                [
+                    receiver.span.peer_id.to_base58(),
+                    receiver.session_id,
+                    receiver.span.start,
+                    receiver.span.end,
+                ]
+            )
+        return chain or None
+
+
+def _server_name(index: int, count: int) -> str:
+    """How a trace names the server at ``index`` of ``count`` on the route."""
+    return f"server {index + 1}/{count}"

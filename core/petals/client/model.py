@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from transformers import (
     PretrainedConfig,
 )
 
+from petals import tracing
 from petals.auto import AutoDistributedConfig
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
@@ -120,7 +122,18 @@ class DistributedModelMixin:
             if not _is_unpadded(kwargs["attention_mask"]):
                 _refuse_padding()
             kwargs["attention_mask"] = None
+        if tracing.client_log is not None and kwargs.get("input_ids") is not None:
+            kwargs = self._traced_embeddings(tracing.client_log, kwargs)
         return super().forward(*args, **kwargs)
+
+    def _traced_embeddings(self, log: tracing.StepLog, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Embed ``input_ids`` here (as the model would) to time it for the step about to be sent."""
+        if kwargs.get("inputs_embeds") is not None:
+            return kwargs
+        started = time.perf_counter()
+        embeddings = self.get_input_embeddings()(kwargs["input_ids"])
+        log.pending.add("client: embeddings", time.perf_counter() - started)
+        return {**kwargs, "input_ids": None, "inputs_embeds": embeddings}
 
     # ---- prompt tuning -----------------------------------------------------------------------
 

@@ -337,6 +337,16 @@ class RemoteSequenceManager:
                 if other.peer_id != peer:
                     yield (other.peer_id, boundary), self._hop(span, other.peer_id) + HOP_OVERHEAD
 
+    def push_pays(self, span: RemoteSpanInfo, next_peer: PeerID) -> bool:
+        """Whether ``span``'s server reaches ``next_peer`` sooner than the client's own copy would.
+
+        A push takes half the sender's announced ping to the next server; the client's copy takes half
+        the client's ping to the sender plus half its ping to the next server. Unknown announced pings
+        count as paying, as in Petals: a copy that arrives second is dropped before it is decoded.
+        """
+        announced = (span.server_info.next_pings or {}).get(next_peer.to_base58())
+        return announced is None or announced < self._rtt(span.peer_id) + self._rtt(next_peer)
+
     def _hop(self, span: RemoteSpanInfo, next_peer: PeerID) -> float:
         next_pings = span.server_info.next_pings or {}
         announced = next_pings.get(next_peer.to_base58())

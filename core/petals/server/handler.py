@@ -31,6 +31,7 @@ from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
 from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry, run_decode_steps
+from petals.tracing import SERVER_TRACING, StepTrace
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
     WIRE_DTYPES,
@@ -281,22 +282,37 @@ class TransformerConnectionHandler(ServicerBase):
         reader = asyncio.create_task(_feed(requests, session.inbox))
         deadline = time.monotonic() + self.limits.session_timeout
         args, metadata = first_args, first_metadata
+        self._claim_step(session, metadata)
+        trace = _start_trace(metadata, 0.0)
         try:
             while True:
-                response = await self._inference_step(session, args, metadata)
-                if response is not None:
-                    yield response
-                request = await self._next_step(session, deadline)
-                if request is None or not request.tensors:
-                    return
-                metadata = read_metadata(request.metadata)
+                yield await self._inference_step(session, args, metadata, trace)
+                while True:  # skip steps already computed, before decoding their tensors
+                    item = await self._next_step(session, deadline)
+                    if item is None or not item[0].tensors:
+                        return
+                    request, arrived = item
+                    metadata = read_metadata(request.metadata)
+                    if self._claim_step(session, metadata):
+                        break
+                trace = _start_trace(metadata, arrived)
                 args = self._inference_args(request, metadata, first_metadata, len(session.backends))
         finally:
             reader.cancel()
 
+    def _claim_step(self, session: InferenceSession, metadata: dict) -> bool:
+        """False for a step this session already computed (a push and the client's copy race)."""
+        step_id = metadata.get("step_id")
+        if step_id is not None:
+            if step_id in session.done_steps:
+                self.stats["duplicate_steps_dropped"] += 1
+                return False
+            session.done_steps.add(step_id)
+        return True
+
     async def _next_step(
         self, session: InferenceSession, deadline: float
-    ) -> runtime_pb2.ExpertRequest | None:
+    ) -> tuple[runtime_pb2.ExpertRequest, float] | None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise WireError(f"session exceeded --session_timeout {self.limits.session_timeout} s")
@@ -311,15 +327,11 @@ class TransformerConnectionHandler(ServicerBase):
             raise WireError(f"no inference step within --step_timeout {self.limits.step_timeout} s") from None
 
     async def _inference_step(
-        self, session: InferenceSession, args: InferenceArgs, metadata: dict
-    ) -> runtime_pb2.ExpertResponse | None:
-        started = time.perf_counter()
-        step_id = metadata.get("step_id")
-        if step_id is not None:
-            if step_id in session.done_steps:
-                self.stats["duplicate_steps_dropped"] += 1
-                return None  # already computed: the previous server's push and the client's copy race
-            session.done_steps.add(step_id)
+        self, session: InferenceSession, args: InferenceArgs, metadata: dict, trace: StepTrace | None
+    ) -> runtime_pb2.ExpertResponse:
+        step_started = time.perf_counter()
+        if trace is not None:
+            trace.add_since("parse + checks", trace.marks["dequeued"])
         self.stats["inference_steps"] += 1
         self.stats["steps_from_pushes"] += bool(metadata.get("pushed"))
         hidden, prompts, hypo_ids, request = args
@@ -340,15 +352,25 @@ class TransformerConnectionHandler(ServicerBase):
                 f"Maximum length exceeded: {position} tokens so far + {hidden.shape[1]} new > "
                 f"max_length {session.max_length}"
             )
-        output = await self._run_inference(session, hidden, prompts, hypo_ids, start)
+        output = await self._run_inference(session, hidden, prompts, hypo_ids, start, trace)
+        started = time.perf_counter() if trace is not None else 0.0
         output_proto = serialize_tensor(output.to(self.blocks.dtype))
+        if trace is not None:
+            started = trace.add_since("serialization", started)
         if metadata.get("next_servers") and all(prompt is None for prompt in prompts):
             self._spawn(self._push(output_proto, request, metadata))
             await asyncio.sleep(
                 0
             )  # the push is on the critical path, the reply only feeds the client's history
-        metrics.inference_step_done(started)
-        return runtime_pb2.ExpertResponse(tensors=[output_proto])
+            if trace is not None:
+                trace.add_since("push", started)
+        metrics.inference_step_done(step_started)
+        if trace is None:
+            return runtime_pb2.ExpertResponse(tensors=[output_proto])
+        trace.add_since("total in server", trace.marks["arrived"])
+        return runtime_pb2.ExpertResponse(
+            tensors=[output_proto], metadata=write_metadata({"server_trace": trace.times})
+        )
 
     async def _run_inference(
         self,
@@ -357,12 +379,17 @@ class TransformerConnectionHandler(ServicerBase):
         prompts: list[torch.Tensor | None],
         hypo_ids: torch.Tensor | None,
         start: int | None,
+        trace: StepTrace | None = None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0] * hidden.shape[1]
         if tokens <= MAX_SHORT_INFERENCE_TOKENS and all(prompt is None for prompt in prompts):
             key = (session.span_key, hidden.shape[1], hidden.dtype)  # any positions and batch sizes merge
-            step = DecodeStep(session, hidden, hypo_ids, start)
+            step = DecodeStep(session, hidden, hypo_ids, start, trace)
+            if trace is not None:
+                trace.mark("queued")
             output = await self.compute.run_batched(Priority.DECODE, tokens, key, step, run_decode_steps)
+            if trace is not None:
+                _record_compute_queue(trace)
             if isinstance(output, Exception):  # this session's own failure (e.g. no free page)
                 raise output
             return output
@@ -407,7 +434,7 @@ class TransformerConnectionHandler(ServicerBase):
             metadata = read_metadata(request.metadata)
             session = self.sessions.get(metadata.get("session_id"))
             if session is not None:
-                session.inbox.put_nowait(request)
+                session.inbox.put_nowait((request, time.perf_counter() if SERVER_TRACING else 0.0))
             return runtime_pb2.ExpertResponse()
 
     async def _push(
@@ -575,9 +602,29 @@ async def _feed(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: async
     """Move the client's next requests into the session inbox; ``None`` marks the end of the stream."""
     try:
         async for request in requests:
-            inbox.put_nowait(request)
+            inbox.put_nowait((request, time.perf_counter() if SERVER_TRACING else 0.0))
     finally:
         inbox.put_nowait(None)
+
+
+def _start_trace(metadata: dict, arrived: float) -> StepTrace | None:
+    """Timings of this step when the client asks for them and this server traces (``PETALS_TRACE``)."""
+    if not (SERVER_TRACING and metadata.get("trace")):
+        return None
+    trace = StepTrace()
+    dequeued = trace.mark("dequeued")
+    trace.marks["arrived"] = arrived or dequeued
+    trace.add("arrival to dequeue", dequeued - trace.marks["arrived"])
+    return trace
+
+
+def _record_compute_queue(trace: StepTrace) -> None:
+    """Queue wait before the compute thread took the step, and its hand-back to the event loop."""
+    resumed = time.perf_counter()
+    marks = trace.marks
+    if "compute started" in marks:
+        trace.add("queue wait", marks["compute started"] - marks["queued"])
+        trace.add("hand-back to event loop", resumed - marks["compute ended"])
 
 
 def _prepare_and_run(

@@ -11,6 +11,7 @@ block, left-padded to the longest row); no batch cache is built, and nothing is 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from hivemind.proto import runtime_pb2
 from petals.convert import ShardedCache
 from petals.kv_cache import BlockCache, CacheOverflowError, OutOfPagesError
 from petals.server.backend import BlockBackend
+from petals.tracing import StepTrace
 from petals.wire import WireError, shown
 
 
@@ -33,7 +35,10 @@ class InferenceSession:
     caches: list[BlockCache | ShardedCache]
     batch_size: int
     max_length: int
-    inbox: asyncio.Queue[runtime_pb2.ExpertRequest | None] = field(default_factory=asyncio.Queue)
+    # requests from the client's stream and from pushes, with their arrival (perf_counter, when tracing)
+    inbox: asyncio.Queue[tuple[runtime_pb2.ExpertRequest, float] | None] = field(
+        default_factory=asyncio.Queue
+    )
     done_steps: set[str] = field(default_factory=set)
 
     @property
@@ -72,9 +77,13 @@ class InferenceSession:
     def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         return self.backends[index].inference_step(hidden, prompt, self.caches[index])
 
-    def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
+    def run_blocks(
+        self, hidden: torch.Tensor, prompts: list[torch.Tensor | None], traces: list[StepTrace] = ()
+    ) -> torch.Tensor:
         for index, prompt in enumerate(prompts):
+            started = time.perf_counter() if traces else 0.0
             hidden = self.run_block(index, hidden, prompt)
+            _record_block(traces, self.backends[index], started)
         return hidden.cpu()
 
 
@@ -86,6 +95,7 @@ class DecodeStep:
     hidden: torch.Tensor
     hypo_ids: torch.Tensor | None
     start: int | None
+    trace: StepTrace | None = None  # timed when the request asked for a trace (PETALS_TRACE)
 
 
 def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
@@ -93,6 +103,16 @@ def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
 
     A session whose rewind, reorder or pages fail gets its error as its result; the others run.
     """
+    traces = [step.trace for step in steps if step.trace is not None]
+    for trace in traces:
+        trace.mark("compute started")
+    results = _run_decode_steps(steps, traces)
+    for trace in traces:
+        trace.mark("compute ended")
+    return results
+
+
+def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[torch.Tensor | Exception]:
     results: list[torch.Tensor | Exception | None] = [None] * len(steps)
     ready = []
     for index, step in enumerate(steps):
@@ -106,14 +126,23 @@ def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
         batch = [steps[index] for index in ready]
         hidden = torch.cat([step.hidden for step in batch])
         for block, backend in enumerate(batch[0].session.backends):
+            started = time.perf_counter() if traces else 0.0
             caches = [step.session.caches[block] for step in batch]
             hidden = backend.inference_step(hidden, None, caches[0].merged(caches))
+            _record_block(traces, backend, started)
         outputs = hidden.cpu().split([step.hidden.shape[0] for step in batch])
     else:
         outputs = [steps[index].hidden for index in ready]
     for index, output in zip(ready, outputs, strict=True):
         results[index] = output
     return results
+
+
+def _record_block(traces: list[StepTrace], backend: BlockBackend, started: float) -> None:
+    if traces:
+        seconds = time.perf_counter() - started
+        for trace in traces:
+            trace.add(f"compute {backend.uid}", seconds)
 
 
 class SessionRegistry:

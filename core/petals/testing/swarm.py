@@ -225,7 +225,11 @@ def start_api(
 
 @contextlib.contextmanager
 def running_swarm(
-    model_path: str | Path, *block_ranges: str, server_args: Sequence[str] = (), timeout: float = 180
+    model_path: str | Path,
+    *block_ranges: str,
+    server_args: Sequence[str] = (),
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[DhtProcess, list[ServerProcess]]]:
     """A ``petals dht`` and one float32 ``petals serve`` per ``"start:end"`` range, all ONLINE.
 
@@ -245,6 +249,7 @@ def running_swarm(
                     *server_args,
                     wait_ready=False,
                     timeout=timeout,
+                    env=env,
                 )
             )
             for blocks in block_ranges

@@ -148,6 +148,10 @@ class InferenceStream:
         self.steps += 1
         return deserialize_tensors(self.client.run(exchange()).tensors)[0]
 
+    def post(self, request: runtime_pb2.ExpertRequest) -> None:
+        """Send a raw request without waiting for a response (e.g. one the server should drop)."""
+        self.client.run(self._requests.put(request))
+
     def step(
         self,
         hidden: torch.Tensor,

@@ -1,0 +1,114 @@
+"""(h) Per-token latency over a wide-area network, with and without server-to-server push.
+
+    python -m benchmarks.wan_latency [--quick]
+
+Three servers hold a third of the tiny Llama's blocks each; every one is reached only through a
+``DelayProxy`` that holds each chunk ``DELAY_MS`` in each direction (the server listens on a private
+port and announces the proxy's). Greedy generation of 16 tokens (the prefill included) after a
+16-token prompt, with push on and off, taking turns with plain transformers in this process.
+The network floor of one token is ``(servers + 1) x D`` with push (client, server to server, back)
+and ``2 x servers x D`` without (each server answers the client, which sends the next one).
+Goals: push on within 5 % of its floor plus the local compute, and >= 1.3x faster than push off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+
+import torch
+
+from benchmarks.harness import SERVER_ARGS, Check, Context, Result, _with_threads, interleaved, main, summary
+
+DELAY_MS = 20.0
+SERVERS = 3
+PROMPT_TOKENS = 16
+
+
+def wan_latency(ctx: Context) -> Result:
+    from petals import AutoDistributedModelForCausalLM
+    from petals.testing.delay_proxy import start_server_behind_proxy
+    from petals.testing.swarm import LOOPBACK_CLIENT, start_dht
+
+    ctx.close_swarm()
+    tokens, repeats = ctx.pick((16, 3), (4, 1))
+    new_tokens = tokens - 1  # the prefill computes the first token
+    path = ctx.model_path("tiny-llama")
+    num_blocks = ctx.num_blocks("tiny-llama")
+    bounds = [round(i * num_blocks / SERVERS) for i in range(SERVERS + 1)]
+    local = ctx.local_model("tiny-llama")
+    prompt = torch.randint(
+        3, local.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
+    )
+    options = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=local.config.eos_token_id,
+    )
+
+    def generate(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+
+    with contextlib.ExitStack() as stack:
+        dht = stack.enter_context(start_dht())
+        for start, end in itertools.pairwise(bounds):
+            args = ("--block_indices", f"{start}:{end}", "--torch_dtype", "float32", *SERVER_ARGS)
+            stack.enter_context(start_server_behind_proxy(path, dht.initial_peers, *args, delay_ms=DELAY_MS))
+        push_on = AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        stack.callback(push_on.close)
+        push_off = AutoDistributedModelForCausalLM.from_pretrained(
+            path,
+            initial_peers=dht.initial_peers,
+            network=push_on.remote_blocks.network,
+            use_server_to_server=False,
+            **LOOPBACK_CLIENT,
+        )
+        expected = generate(local)
+        assert torch.equal(generate(push_on), expected) and torch.equal(generate(push_off), expected)
+        local_runs = {
+            f"local, {count} threads": _with_threads(lambda: generate(local), count)
+            for count in {1, torch.get_num_threads()}
+        }
+        runs = {**local_runs, "push on": lambda: generate(push_on), "push off": lambda: generate(push_off)}
+        samples = interleaved(runs, repeats)
+    per_token = {name: summary([value / tokens for value in values]) for name, values in samples.items()}
+    best = {name: result["best"] for name, result in per_token.items()}
+    best["local"] = min(best.pop(name) for name in local_runs)  # credited with its better thread count
+    delay = DELAY_MS / 1000
+    floor_on, floor_off = (SERVERS + 1) * delay, 2 * SERVERS * delay
+    vs_floor = best["push on"] / (floor_on + best["local"])
+    speedup = best["push off"] / best["push on"]
+    return Result(
+        item="h",
+        title=f"per-token latency, {SERVERS} servers each behind a {DELAY_MS:g} ms proxy (tiny-llama)",
+        ratio=vs_floor,
+        baseline="network floor with push + transformers' own per-token time",
+        checks=[
+            Check("push on / (floor + local compute)", vs_floor, 1.05, "<="),
+            Check("push off / push on seconds per token", speedup, 1.3, ">="),
+        ],
+        measurements={
+            "seconds_per_token": per_token,
+            "floor_seconds": {"push on": floor_on, "push off": floor_off},
+        },
+        settings={"servers": SERVERS, "delay_ms": DELAY_MS, "tokens": tokens, "repeats": repeats},
+        notes=[
+            f"per token (best of {repeats}, {tokens} tokens including the prefill): push on {best['push on'] * 1e3:.1f} ms, "
+            f"push off {best['push off'] * 1e3:.1f} ms, local transformers {best['local'] * 1e3:.1f} ms",
+            f"network floor: {floor_on * 1e3:.0f} ms with push ((servers + 1) x D), "
+            f"{floor_off * 1e3:.0f} ms without (2 x servers x D)",
+            f"push on - (floor + local): {(best['push on'] - floor_on - best['local']) * 1e3:.1f} ms; "
+            f"push off - (floor + local): {(best['push off'] - floor_off - best['local']) * 1e3:.1f} ms",
+        ],
+    )
+
+
+BENCHMARKS = {"wan_latency": wan_latency}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))
