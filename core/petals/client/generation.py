@@ -5,6 +5,10 @@ reports how many positions the session has seen and turns beam reorders into ``h
 next step. ``generate`` opens a session when none is active; inside an active session, several
 calls continue it: earlier tokens are prepended (so repetition penalties see them) but not
 recomputed, and each call returns the new inputs plus what it generated.
+
+Speculative decoding is transformers' own assisted generation (``assistant_model=`` a local draft,
+or ``prompt_lookup_num_tokens=``): each step sends the proposed tokens through the swarm at once,
+and ``crop`` rolls the session back past the rejected ones (see ``InferenceSession.rollback``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ class RemotePastKeyValues(Cache):
         self.session.pending_hypo_ids = beam_idx.detach().cpu().to(torch.int64)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("rolling back a remote inference session is not supported")
+        """Drop the last ``-tokens_to_remove`` positions (assisted generation's rejected candidates)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
+        self.session.rollback(self.session.position + tokens_to_remove)
 
 
 class RemoteGenerationMixin:
