@@ -1,0 +1,114 @@
+"""DelayProxy: bytes pass unchanged, each direction is held delay_ms, sockets close on exit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import petals
+from petals.testing.delay_proxy import DelayProxy, start_server_behind_proxy
+from petals.testing.swarm import LOOPBACK_CLIENT, start_dht
+
+DELAY_MS = 30.0
+
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        while data := self.request.recv(65536):
+            self.request.sendall(data)
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield server.server_address[1]
+        server.shutdown()
+
+
+def receive_exactly(sock: socket.socket, size: int) -> bytes:
+    received = bytearray()
+    while len(received) < size:
+        chunk = sock.recv(size - len(received))
+        assert chunk, "the proxy closed the connection early"
+        received += chunk
+    return bytes(received)
+
+
+def test_bytes_pass_through_unchanged_in_order(echo_port):
+    payload = os.urandom(1_000_000)
+    with (
+        DelayProxy(echo_port, delay_ms=1) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as sock,
+    ):
+        sender = threading.Thread(target=sock.sendall, args=(payload,))
+        sender.start()
+        assert receive_exactly(sock, len(payload)) == payload
+        sender.join()
+    assert proxy.bytes_forwarded == 2 * len(payload)
+
+
+def test_a_round_trip_takes_twice_the_delay_and_delays_do_not_add_up(echo_port):
+    with (
+        DelayProxy(echo_port, delay_ms=DELAY_MS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as sock,
+    ):
+        round_trips = []
+        for index in range(3):
+            message = f"ping {index}".encode()
+            started = time.perf_counter()
+            sock.sendall(message)
+            assert receive_exactly(sock, len(message)) == message
+            round_trips.append(time.perf_counter() - started)
+        assert min(round_trips) >= 2 * DELAY_MS / 1000
+
+        # 5 messages sent back to back come back about one round trip later, not five
+        started = time.perf_counter()
+        for _ in range(5):
+            sock.sendall(b"x")
+            time.sleep(0.005)
+        receive_exactly(sock, 5)
+        assert time.perf_counter() - started < 5 * 2 * DELAY_MS / 1000
+
+
+def test_closing_the_proxy_closes_open_connections(echo_port):
+    proxy = DelayProxy(echo_port, delay_ms=1).start()
+    sock = socket.create_connection(("127.0.0.1", proxy.port))
+    sock.sendall(b"hello")
+    assert receive_exactly(sock, 5) == b"hello"
+    proxy.close()
+    sock.settimeout(5)
+    assert sock.recv(10) == b""  # the proxy's end is closed, not left hanging
+    sock.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+
+
+def test_a_server_behind_the_proxy_is_reached_through_it(tiny_model_path):
+    path = tiny_model_path("llama")
+    with (
+        start_dht() as dht,
+        start_server_behind_proxy(
+            path, dht.initial_peers, "--block_indices", "0:4", "--torch_dtype", "float32", delay_ms=5
+        ) as (server, proxy),
+    ):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        try:
+            before = proxy.bytes_forwarded
+            ids = torch.tensor([[5, 6, 7]])
+            assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 5)
+            assert proxy.bytes_forwarded > before
+            assert f"/tcp/{proxy.port}" in " ".join(server.log_lines)
+        finally:
+            model.close()
