@@ -6,6 +6,7 @@ from benchmarks import (
     generation_latency,
     server_memory,
     server_start,
+    speculative,
 )
 
 SUITE = {
@@ -15,4 +16,5 @@ SUITE = {
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **forward_throughput.BENCHMARKS,
     **server_memory.BENCHMARKS,
+    **speculative.BENCHMARKS,
 }

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
 from conftest import LOOPBACK_CLIENT
+from petals.client.generation import StepStats
 from petals.server.server import READY_MESSAGE
 from petals.testing.swarm import start_dht, start_server
 
@@ -19,27 +20,6 @@ from petals.testing.swarm import start_dht, start_server
 SERVED = {"llama": ("0:2", "2:4", "2:4"), "bloom": ("0:4",), "falcon-new": ("0:4",), "mixtral": ("0:4",)}
 NEW_TOKENS = 12
 GREEDY = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-
-
-class StepRecorder:
-    """Counts the positions each inference step sends through the remote blocks."""
-
-    def __init__(self, model) -> None:
-        self.lengths: list[int] = []
-        self._hook = model.remote_blocks.register_forward_hook(
-            lambda module, args, output: self.lengths.append(args[0].shape[1])
-        )
-
-    def rolled_back(self, output: torch.Tensor) -> int:
-        """Positions sent but later dropped: the servers saw all but the last output token once."""
-        return sum(self.lengths) - (output.shape[1] - 1)
-
-    def accepted(self, output: torch.Tensor, prompt_length: int) -> int:
-        """Proposed tokens that were kept (each step also yields one token of its own)."""
-        return output.shape[1] - prompt_length - len(self.lengths)
-
-    def close(self) -> None:
-        self._hook.remove()
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +85,16 @@ def test_greedy_speculation_matches_plain_generation(models):
     assert torch.equal(remote.generate(ids, **GREEDY), expected)
     witnessed = {"accepted": 0, "rolled back": 0}
     for speculation in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
-        recorder = StepRecorder(remote)
-        output = remote.generate(ids, **speculation, **GREEDY)
-        recorder.close()
+        with StepStats(remote) as stats:
+            output = remote.generate(ids, **speculation, **GREEDY)
         assert torch.equal(output, expected), speculation
-        assert max(recorder.lengths[1:]) > 1, "no step verified several tokens"
-        witnessed["accepted"] += recorder.accepted(output, ids.shape[1])
-        witnessed["rolled back"] += recorder.rolled_back(output)
+        assert max(stats.lengths[1:]) > 1, "no step verified several tokens"
+        witnessed["accepted"] += stats.accepted(NEW_TOKENS)
+        witnessed["rolled back"] += stats.rolled_back(output.shape[1])
     assert all(witnessed.values()), f"both acceptance and rejection must happen: {witnessed}"
+    # prompt lookup may propose past max_length: the session must have room for that
+    few = remote.generate(ids, prompt_lookup_num_tokens=10, max_new_tokens=2, do_sample=False)
+    assert torch.equal(few, expected[:, : ids.shape[1] + 2])
 
 
 def test_seeded_speculative_sampling_follows_transformers(models):
@@ -145,12 +127,12 @@ def test_rolled_back_session_continues_as_if_never_longer(models):
 class KillAfterRollback(StoppingCriteria):
     """Never stops generation; SIGKILLs the server of blocks 2:4 as soon as a step's proposals were rejected."""
 
-    def __init__(self, session, servers, recorder: StepRecorder) -> None:
-        self.session, self.servers, self.recorder = session, servers, recorder
+    def __init__(self, session, servers, stats: StepStats) -> None:
+        self.session, self.servers, self.stats = session, servers, stats
         self.killed = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self.killed is None and self.recorder.rolled_back(input_ids) > 0:
+        if self.killed is None and self.stats.rolled_back(input_ids.shape[1]) > 0:
             (peer_id,) = {str(span.peer_id) for span in self.session.route if span.start == 2}
             self.killed = next(server for server in self.servers if server.peer_id == peer_id)
             self.killed.process.kill()
@@ -164,9 +146,11 @@ def test_failover_after_rollback_replays_only_accepted_tokens(swarm, tiny_model_
     ids = repeating_prompt()
     kwargs = dict(GREEDY, output_logits=True, return_dict_in_generate=True)
     expected = local.generate(ids, **kwargs)
-    with remote.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
-        recorder = StepRecorder(remote)
-        killer = KillAfterRollback(session, servers["llama"], recorder)
+    with (
+        remote.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session,
+        StepStats(remote) as stats,
+    ):
+        killer = KillAfterRollback(session, servers["llama"], stats)
         output = remote.generate(ids, prompt_lookup_num_tokens=3, stopping_criteria=[killer], **kwargs)
         survivors = {str(span.peer_id) for span in session.route}
     remote.close()

@@ -14,7 +14,7 @@ import time
 
 import click
 
-from petals.cli.generate import encode
+from petals.cli.generate import encode, speculation_kwargs
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
@@ -25,8 +25,17 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
 @click.option("--max_new_tokens", "--max-new-tokens", default=48, show_default=True)
 @click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
 @click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
-def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep: bool) -> None:
+@click.option(
+    "--speculative",
+    default=None,
+    metavar="prompt-lookup[:K]",
+    help="Speculative decoding: the swarm verifies up to K tokens found in the text so far in one step.",
+)
+def demo_command(
+    question: str, max_new_tokens: int, cache_dir: str | None, keep: bool, speculative: str | None
+) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
+    speculation = speculation_kwargs(speculative, None)
     from petals.demo_model import prepare_demo_model
     from petals.testing.swarm import running_swarm
 
@@ -42,7 +51,7 @@ def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep
         for server, blocks in zip(servers, SERVER_RANGES, strict=True):
             click.echo(f"Server ...{server.peer_id[-8:]} is ONLINE with blocks {blocks}")
         timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
-        answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
+        answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings, speculation)
         click.echo("\nTimings:")
         for what, seconds in timings.items():
             click.echo(f"  {what:<40} {seconds:7.2f} s")
@@ -52,10 +61,13 @@ def demo_command(question: str, max_new_tokens: int, cache_dir: str | None, keep
     click.echo("Done.")
 
 
-def answer_question(model_path, initial_peers, question: str, max_new_tokens: int, timings: dict) -> None:
+def answer_question(
+    model_path, initial_peers, question: str, max_new_tokens: int, timings: dict, speculation: dict
+) -> None:
     from transformers import AutoTokenizer, TextStreamer
 
     from petals import AutoDistributedModelForCausalLM
+    from petals.client.generation import StepStats
     from petals.testing.swarm import LOOPBACK_CLIENT
 
     started = time.perf_counter()
@@ -68,14 +80,18 @@ def answer_question(model_path, initial_peers, question: str, max_new_tokens: in
         inputs = encode(tokenizer, question, chat=True)
         click.echo(f"\nQ: {question}\nA: ", nl=False)
         started = time.perf_counter()
-        output = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-        )
+        with StepStats(model) as stats:
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                **speculation,
+            )
         elapsed = time.perf_counter() - started
         new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
+        if speculation:
+            click.echo(f"\nSpeculative decoding: {stats.describe(inputs['input_ids'].shape[1], new_tokens)}")
         timings[f"generate {new_tokens} tokens through 3 servers"] = elapsed
         timings["  per token"] = elapsed / max(new_tokens, 1)
         print_swarm_map(model)
