@@ -5,13 +5,21 @@ rejection, with exactly the tokens of plain greedy generation and transformers' 
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
+import sys
 
+import click
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, StoppingCriteria
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, StoppingCriteria
 
 import petals
 from conftest import LOOPBACK_CLIENT
+from petals.cli.generate import PROMPT_LOOKUP_TOKENS, speculation_kwargs
 from petals.client.generation import StepStats
 from petals.server.server import READY_MESSAGE
 from petals.testing.swarm import start_dht, start_server
@@ -160,3 +168,39 @@ def test_failover_after_rollback_replays_only_accepted_tokens(swarm, tiny_model_
     # a replay with the rejected positions would shift every later position: the logits show it
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+
+
+def test_speculative_options_are_checked():
+    assert speculation_kwargs("prompt-lookup", None) == {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+    assert speculation_kwargs("prompt-lookup:4", None) == {"prompt_lookup_num_tokens": 4}
+    assert speculation_kwargs(None, None) == {}
+    for bad in ("prompt-lookup:0", "prompt-lookup:x", "draft"):
+        with pytest.raises(click.BadParameter, match="expected prompt-lookup or prompt-lookup:K"):
+            speculation_kwargs(bad, None)
+    with pytest.raises(click.UsageError, match="either --speculative or --assistant"):
+        speculation_kwargs("prompt-lookup", "some/model")
+
+
+def test_petals_generate_speculates_with_the_same_text(swarm, tiny_model_path):
+    """``petals generate --speculative`` prints the text of plain greedy generation, and its step count."""
+    path = tiny_model_path("llama")
+    vocabulary = {f"w{index}": index for index in range(1000)}
+    words = Tokenizer(WordLevel(vocabulary, unk_token="w0"))
+    words.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+    tokenizer.save_pretrained(path)
+    ids = repeating_prompt()
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = tokenizer.decode(local.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :])
+    peers = [argument for peer in swarm[0].initial_peers for argument in ("--initial_peers", peer)]
+    prompt = tokenizer.decode(ids[0])
+    command = ["petals.cli", "generate", str(path), prompt, *peers, "--loopback", "--max_new_tokens", "8"]
+    result = subprocess.run(
+        [sys.executable, "-m", *command, "--speculative", "prompt-lookup:3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == expected.strip()
+    assert re.search(r"\d+ tokens in \d+ steps through the swarm", result.stderr), result.stderr[-2000:]
