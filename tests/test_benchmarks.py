@@ -18,7 +18,7 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
         cwd=REPOSITORY,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=300,  # the speculative benchmark starts its own (wide-area) swarm
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
