@@ -7,6 +7,7 @@ from benchmarks import (
     generation_latency,
     server_memory,
     server_start,
+    speculative,
     transport_floor,
     wan_latency,
 )
@@ -21,4 +22,5 @@ SUITE = {
     **forward_throughput.BENCHMARKS,
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,
+    **speculative.BENCHMARKS,
 }

@@ -180,6 +180,14 @@ def test_exceeding_session_length(client):
             {"hidden": torch.randn(1, 1, 64), "start_from_position": 9},
             "start_from_position 9 is beyond the 2 tokens",
         ),
+        (
+            {"hidden": torch.randn(1, 1, 64), "start_from_position": -1},
+            "'start_from_position' has an invalid value: -1",
+        ),
+        (
+            {"hidden": torch.randn(1, 1, 64), "start_from_position": "1"},
+            "'start_from_position' has an invalid value: '1'",
+        ),
         ({"hidden": torch.randn(1, 1, 64), "prompts": torch.randn(4, 1, 5, 64)}, "cover 5 positions"),
     ],
 )
@@ -213,6 +221,20 @@ def test_rewind_and_beam_reorder_keep_serving(client):
     again = stream.step(torch.randn(2, 1, 64), start_from_position=2, hypo_ids=torch.tensor([1, 0]))
     assert first.shape == (2, 3, 64) and again.shape == (2, 1, 64)
     stream.close()
+
+
+def test_rollback_recomputes_exactly(client):
+    """After ``start_from_position`` the cache holds only the kept positions: as if the rest never came."""
+    tokens, junk = torch.randn(1, 5, 64), torch.randn(1, 2, 64)
+    straight = client.inference(client.server, UIDS, max_length=8)
+    expected = straight.step(tokens)
+    straight.close()
+    rolled_back = client.inference(client.server, UIDS, max_length=8)
+    rolled_back.step(tokens[:, :3])
+    rolled_back.step(junk)
+    again = rolled_back.step(tokens[:, 3:], start_from_position=3)
+    rolled_back.close()
+    assert torch.allclose(again, expected[:, 3:], atol=1e-5), (again - expected[:, 3:]).abs().max()
 
 
 def test_nothing_is_unpickled():

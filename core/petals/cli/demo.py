@@ -17,7 +17,7 @@ import time
 
 import click
 
-from petals.cli.generate import encode
+from petals.cli.generate import encode, speculation_kwargs
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
@@ -30,10 +30,23 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
 @click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
 @click.option("--api", is_flag=True, help="Serve the swarm with `petals api` (and a chat page) until Ctrl-C.")
 @click.option("--port", default=8000, show_default=True, help="The API's port with --api (0: any free port).")
+@click.option(
+    "--speculative",
+    default=None,
+    metavar="prompt-lookup[:K]",
+    help="Speculative decoding: the swarm verifies up to K tokens found in the text so far in one step.",
+)
 def demo_command(
-    question: str, max_new_tokens: int, cache_dir: str | None, keep: bool, api: bool, port: int
+    question: str,
+    max_new_tokens: int,
+    cache_dir: str | None,
+    keep: bool,
+    api: bool,
+    port: int,
+    speculative: str | None,
 ) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
+    speculation = speculation_kwargs(speculative, None)
     from petals.demo_model import prepare_demo_model
     from petals.testing.swarm import running_swarm
 
@@ -52,7 +65,7 @@ def demo_command(
         if api:
             serve_api(model_path, dht.initial_peers, port)
         else:
-            answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings)
+            answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings, speculation)
             click.echo("\nTimings:")
             for what, seconds in timings.items():
                 click.echo(f"  {what:<40} {seconds:7.2f} s")
@@ -62,10 +75,13 @@ def demo_command(
     click.echo("Done.")
 
 
-def answer_question(model_path, initial_peers, question: str, max_new_tokens: int, timings: dict) -> None:
+def answer_question(
+    model_path, initial_peers, question: str, max_new_tokens: int, timings: dict, speculation: dict
+) -> None:
     from transformers import AutoTokenizer, TextStreamer
 
     from petals import AutoDistributedModelForCausalLM
+    from petals.client.generation import StepStats
     from petals.testing.swarm import LOOPBACK_CLIENT
 
     started = time.perf_counter()
@@ -78,14 +94,18 @@ def answer_question(model_path, initial_peers, question: str, max_new_tokens: in
         inputs = encode(tokenizer, question, chat=True)
         click.echo(f"\nQ: {question}\nA: ", nl=False)
         started = time.perf_counter()
-        output = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-        )
+        with StepStats(model) as stats:
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                **speculation,
+            )
         elapsed = time.perf_counter() - started
         new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
+        if speculation:
+            click.echo(f"\nSpeculative decoding: {stats.describe(inputs['input_ids'].shape[1], new_tokens)}")
         timings[f"generate {new_tokens} tokens through 3 servers"] = elapsed
         timings["  per token"] = elapsed / max(new_tokens, 1)
         print_swarm_map(model)

@@ -13,6 +13,8 @@ import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
 
+PROMPT_LOOKUP_TOKENS = 10  # proposals per step: a wide-area round trip costs far more than verifying them
+
 
 def client_options(command: Callable) -> Callable:
     """The options shared by ``petals generate`` and ``petals chat``: where the swarm is, how to sample."""
@@ -45,25 +47,69 @@ def client_options(command: Callable) -> Callable:
 @click.argument("prompt")
 @client_options
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
-def generate_command(model: str, prompt: str, chat: bool, **options: Any) -> None:
+@click.option(
+    "--speculative",
+    default=None,
+    metavar="prompt-lookup[:K]",
+    help=f"Propose up to K tokens (default {PROMPT_LOOKUP_TOKENS}) found in the text so far; the swarm "
+    "verifies them in one step.",
+)
+@click.option(
+    "--assistant",
+    default=None,
+    metavar="MODEL",
+    help="A small local model with the same tokenizer that drafts tokens for the swarm to verify.",
+)
+def generate_command(
+    model: str, prompt: str, chat: bool, speculative: str | None, assistant: str | None, **options: Any
+) -> None:
     """Generate text with MODEL's blocks served by a swarm, streaming tokens as they come."""
     from transformers import TextStreamer
 
+    from petals.client.generation import StepStats
+
     configure_logging()
+    speculation = speculation_kwargs(speculative, assistant)
     tokenizer, distributed = connect(model, options)
     try:
         inputs = encode(tokenizer, prompt, chat)
-        max_length = inputs["input_ids"].shape[1] + options["max_new_tokens"]
+        prompt_length = inputs["input_ids"].shape[1]
+        # prompt lookup may propose past max_new_tokens (transformers trims afterwards)
+        max_length = (
+            prompt_length + options["max_new_tokens"] + speculation.get("prompt_lookup_num_tokens", 0)
+        )
         status("Routing through the swarm...")
-        with distributed.inference_session(max_length=max_length) as session:
-            distributed.generate(
+        with distributed.inference_session(max_length=max_length) as session, StepStats(distributed) as stats:
+            output = distributed.generate(
                 **inputs,
                 streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
                 **sampling_kwargs(options),
+                **speculation,
             )
             status(f"Route: {describe_route(session.route)}")
+        if speculation:
+            status(stats.describe(prompt_length, output.shape[1] - prompt_length))
     finally:
         distributed.close()
+
+
+def speculation_kwargs(speculative: str | None, assistant: str | None) -> dict:
+    """``generate`` arguments for ``--speculative prompt-lookup[:K]`` or ``--assistant MODEL``."""
+    if speculative and assistant:
+        raise click.UsageError("use either --speculative or --assistant, not both")
+    if assistant:
+        from transformers import AutoModelForCausalLM
+
+        return {"assistant_model": AutoModelForCausalLM.from_pretrained(assistant).eval()}
+    if not speculative:
+        return {}
+    method, _, tokens = speculative.partition(":")
+    if method != "prompt-lookup" or (tokens and not (tokens.isdigit() and int(tokens) > 0)):
+        raise click.BadParameter(
+            f"expected prompt-lookup or prompt-lookup:K with K >= 1, got {speculative!r}",
+            param_hint="--speculative",
+        )
+    return {"prompt_lookup_num_tokens": int(tokens) if tokens else PROMPT_LOOKUP_TOKENS}
 
 
 def status(message: str) -> None:

@@ -5,6 +5,10 @@ reports how many positions the session has seen and turns beam reorders into ``h
 next step. ``generate`` opens a session when none is active; inside an active session, several
 calls continue it: earlier tokens are prepended (so repetition penalties see them) but not
 recomputed, and each call returns the new inputs plus what it generated.
+
+Speculative decoding is transformers' own assisted generation (``assistant_model=`` a local draft,
+or ``prompt_lookup_num_tokens=``): each step sends the proposed tokens through the swarm at once,
+and ``crop`` rolls the session back past the rejected ones (see ``InferenceSession.rollback``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ class RemotePastKeyValues(Cache):
         self.session.pending_hypo_ids = beam_idx.detach().cpu().to(torch.int64)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("rolling back a remote inference session is not supported")
+        """Drop the last ``-tokens_to_remove`` positions (assisted generation's rejected candidates)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
+        self.session.rollback(self.session.position + tokens_to_remove)
 
 
 class RemoteGenerationMixin:
@@ -93,7 +100,13 @@ def _session_length(model, inputs: torch.Tensor | None, kwargs: dict) -> int:
     else:
         config = kwargs.get("generation_config") or model.generation_config
         length = max(config.max_length or 0, input_length + (config.max_new_tokens or 0))
-    return length + model.prompt_length
+    return length + model.prompt_length + _lookup_overshoot(model, kwargs)
+
+
+def _lookup_overshoot(model, kwargs: dict) -> int:
+    """Room for transformers' prompt lookup, which may propose past ``max_length`` (and trims afterwards)."""
+    config = kwargs.get("generation_config") or model.generation_config
+    return kwargs.get("prompt_lookup_num_tokens") or getattr(config, "prompt_lookup_num_tokens", None) or 0
 
 
 def _check_unpadded(attention_mask: torch.Tensor | None, inputs: torch.Tensor | None) -> None:
@@ -108,3 +121,55 @@ def _check_unpadded(attention_mask: torch.Tensor | None, inputs: torch.Tensor | 
             "padded batches are not supported: remote servers attend to every position, so all sequences of a "
             "batch must have the same length (attention_mask all ones). Generate for each length separately."
         )
+
+
+class StepStats:
+    """What speculative decoding saved: the inference steps sent through the swarm while in use.
+
+    ``with StepStats(model) as stats: output = model.generate(...)``, then ``stats.describe(...)``.
+    A step sends the last accepted token plus the proposals (the first one: the prompt plus proposals)
+    and yields one token of its own after the accepted proposals, so proposals and acceptances follow
+    from the step lengths and the output length alone.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.lengths: list[int] = []  # positions sent by each step
+
+    def __enter__(self) -> StepStats:
+        self._hook = self.model.remote_blocks.register_forward_hook(self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._hook.remove()
+
+    def _record(self, module, args: tuple, output: torch.Tensor) -> None:
+        self.lengths.append(args[0].shape[1])
+
+    @property
+    def steps(self) -> int:
+        return len(self.lengths)
+
+    def proposed(self, prompt_length: int) -> int:
+        return sum(self.lengths) - prompt_length - max(self.steps - 1, 0)
+
+    def accepted(self, new_tokens: int) -> int:
+        return new_tokens - self.steps
+
+    def rolled_back(self, total_length: int) -> int:
+        """Positions sent but dropped again (the servers saw every token but the last one once)."""
+        return sum(self.lengths) - (total_length - 1)
+
+    def acceptance_rate(self, prompt_length: int, new_tokens: int) -> float | None:
+        proposed = self.proposed(prompt_length)
+        return self.accepted(new_tokens) / proposed if proposed else None
+
+    def describe(self, prompt_length: int, new_tokens: int) -> str:
+        text = f"{new_tokens} tokens in {self.steps} steps through the swarm"
+        if self.steps:
+            text += f" ({new_tokens / self.steps:.2f} per step)"
+        proposed = self.proposed(prompt_length)
+        if proposed:
+            accepted = self.accepted(new_tokens)
+            text += f"; proposals accepted: {accepted} of {proposed} ({accepted / proposed:.0%})"
+        return text

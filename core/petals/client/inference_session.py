@@ -45,6 +45,7 @@ class _ServerSession:
         self.session_id = str(uuid.uuid4())
         self._history: list[torch.Tensor] = []  # everything this server was sent, step by step
         self.position = 0
+        self._start_from: int | None = None  # a rollback the server learns with the next step
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
 
@@ -86,6 +87,8 @@ class _ServerSession:
         }
         if self._responses is None:
             metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
+        if self._start_from is not None:
+            metadata["start_from_position"] = self._start_from
         if next_servers:
             metadata["next_servers"] = next_servers
         if trace is not None:
@@ -124,6 +127,7 @@ class _ServerSession:
             )
         self._history.append(hidden)
         self.position += hidden.shape[1]
+        self._start_from = None
         if trace is not None:
             trace.add_since("client: serialization", started)
         return output.to(hidden.dtype)
@@ -143,6 +147,12 @@ class _ServerSession:
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         if self._history:
             self._history = [self.history[hypo_ids]]
+
+    def rollback(self, position: int) -> None:
+        """Forget the positions from ``position`` on; the next step tells the server (``start_from_position``)."""
+        if position < self.position:
+            self._history = [self.history[:, :position]] if position else []
+            self.position = self._start_from = position
 
     async def close(self) -> None:
         """End the stream politely (an empty request), without waiting long for a dead server."""
@@ -178,6 +188,7 @@ class InferenceSession:
         self.pending_hypo_ids: torch.Tensor | None = None  # a beam reorder for the next step
         self._sessions: list[_ServerSession] = []
         self._first_prompts: torch.Tensor | None = None  # deep prompts of position 0, replayed on failover
+        self.prompt_length = 0  # trainable prompt positions in front of the tokens (set by the model)
         self._closed = False
         self._traced_steps: list[dict[str, float]] = []  # with tracing on: logged when the session closes
         self._last_step_end: float | None = None
@@ -198,6 +209,20 @@ class InferenceSession:
             sessions, self._sessions = self._sessions, []
             self.manager.network.run(_close_all(sessions), timeout=30)
             tracing.log_session(self._traced_steps)
+
+    def rollback(self, position: int) -> None:
+        """Go back to ``position``: the next step overwrites everything from there on, on every server.
+
+        Nothing is sent now: the next step carries the original Petals' ``start_from_position``, and a
+        replacement after a failover is replayed only the history up to ``position``.
+        """
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot roll back to position {position}: the session is at {self.position}")
+        self.position = position
+        for session in self._sessions:
+            session.rollback(position)
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[:, : max(0, position - self.prompt_length)]
 
     def step(
         self, hidden: torch.Tensor, prompts: torch.Tensor | None = None, hypo_ids: torch.Tensor | None = None
