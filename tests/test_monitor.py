@@ -391,7 +391,9 @@ def test_the_page_shows_coverage_bars_and_server_rows(swarm, tmp_path):
             assert row.locator("td.state").inner_text() == "ONLINE"
             assert row.locator("td.blocks").inner_text() == "0:2"
             assert row.locator("td.public-name").inner_text() == "alice"
-            assert llama.locator("tr.server").count() == 2 and bloom.locator("tr.server").count() == 1
+            # a server that left in an earlier test may still be listed, OFFLINE, until its record expires
+            online = 'tr.server:has(td.state:text-is("ONLINE"))'
+            assert llama.locator(online).count() == 2 and bloom.locator(online).count() == 1
             page.screenshot(path=str(tmp_path / "monitor.png"), full_page=True)
             if os.environ.get("PETALS_UPDATE_SCREENSHOTS"):  # refresh the README's picture
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
@@ -428,7 +430,7 @@ def test_server_metrics_count_requests_errors_tokens_and_sessions(swarm):
     assert during[("petals_server_open_sessions", ())] == 1
     assert during[("petals_server_kv_cache_bytes", (("use", "used"),))] > 0
     assert after[("petals_server_requests_total", (("rpc", "rpc_inference"),))] >= 1
-    assert after[("petals_server_request_errors_total", (("kind", "WireError"), ("rpc", "rpc_info")))] == 1
+    assert after[("petals_server_request_errors_total", (("kind", "not_served"), ("rpc", "rpc_info")))] == 1
     assert after[("petals_server_inference_step_seconds_count", ())] >= 3
     assert (
         after[("petals_server_tokens_computed_total", ())]

@@ -552,11 +552,11 @@ class TransformerConnectionHandler(ServicerBase):
         try:
             yield
         except REFUSALS as error:
-            metrics.request_failed(method, error)
+            metrics.request_failed(method, _kind(error))
             logger.info("%s from %s refused: %s", method, _short(context.remote_id), cut(str(error)))
             raise Refusal(tag_error(_kind(error), cut(str(error), 2000))) from None
         except Exception as error:
-            metrics.request_failed(method, error)
+            metrics.request_failed(method, "internal")
             logger.exception("%s from %s failed", method, _short(context.remote_id))
             raise Refusal(tag_error("internal", cut(str(error), 2000))) from None
 

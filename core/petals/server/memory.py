@@ -52,6 +52,15 @@ class CacheBudget:
         """Bytes the pools take when full."""
         return sum(pool.nbytes for pools in self.pools.values() for pool in pools)
 
+    @property
+    def bytes_left(self) -> int:
+        """Bytes of the pools' free pages."""
+        return sum(pool.free_pages * pool.page_nbytes for pools in self.pools.values() for pool in pools)
+
+    @property
+    def bytes_used(self) -> int:
+        return self.nbytes - self.bytes_left
+
     def _free_pages(self, uid: str) -> int:
         return min(pool.free_pages for pool in self.pools[uid])
 

@@ -34,10 +34,10 @@ def request_started(rpc: str) -> None:
         _recorder.requests.labels(rpc).inc()
 
 
-def request_failed(rpc: str, error: BaseException) -> None:
-    """``kind`` is the exception's class: WireError / AllocationFailed / TimeoutError are refusals."""
+def request_failed(rpc: str, kind: str) -> None:
+    """``kind`` is what the peer was told (``wire.ERROR_KINDS``): bad_request, cache_full, internal, ..."""
     if _recorder is not None:
-        _recorder.errors.labels(rpc, type(error).__name__).inc()
+        _recorder.errors.labels(rpc, kind).inc()
 
 
 def inference_step_done(started: float) -> None:
