@@ -160,3 +160,43 @@ def test_a_cancelled_call_bans_nobody(shared_model):
     assert not manager.bans
     with model.inference_session(max_length=4) as session:
         assert session.step(torch.randn(1, 2, hidden_size)).shape == (1, 2, hidden_size)
+
+
+@pytest.mark.parametrize("max_retries, expected", [(0, [0]), (1, [0, 0, 1])])
+def test_backward_honours_max_retries(shared_model, tiny_model_path, max_retries, expected):
+    """A server that hangs between forward and backward: backward gives up after ``max_retries``
+    retries (each a timed-out attempt) instead of retrying forever."""
+    shared, servers = shared_model
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        tiny_model_path("llama"),
+        initial_peers=shared.config.initial_peers,
+        max_retries=max_retries,
+        request_timeout=2,
+        ban_timeout=0,  # bans expire at once, so every retry goes back to the hung server
+        min_backoff=0.01,
+        **LOOPBACK_CLIENT,
+    )
+    manager = model.remote_blocks.manager
+    attempts = []
+    judge = manager.handle_failure
+
+    async def recording(error, peer, attempt):
+        attempts.append(attempt)
+        await judge(error, peer, attempt)
+
+    manager.handle_failure = recording
+    embeddings = torch.randn(1, 3, model.config.hidden_size, requires_grad=True)
+    outputs = model.remote_blocks(embeddings)
+    hung = servers[1]  # blocks 2:4, the only server for them
+    hung.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            outputs.sum().backward()
+    finally:
+        hung.process.send_signal(signal.SIGCONT)
+        model.close()
+    # max_retries=0: backward's first timeout raises at once, nothing is recomputed; max_retries=1:
+    # backward fails once (attempt 0), recomputing the hung span forward uses attempts 0 and 1, then
+    # raises: every step of the way counts against max_retries, never an endless loop
+    assert attempts == expected
+    assert not shared.remote_blocks.manager.bans
