@@ -6,8 +6,8 @@ import torch
 from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.block import kv_cache_layout
-from petals.convert import estimate_block_weight_bytes, plan_num_blocks
-from petals.convert.memory import GiB
+from petals.convert import estimate_block_weight_bytes
+from petals.server.planning import GiB, plan_num_blocks
 
 
 @pytest.fixture
