@@ -97,7 +97,7 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str | No
         number = float(value)
     except ValueError:
         raise click.BadParameter(
-            f"expected auto, eval, dry_run or a number; got {value!r}", ctx, param
+            f"expected {', '.join(THROUGHPUT_CHOICES)} or a number; got {value!r}", ctx, param
         ) from None
     if not number >= 0:
         raise click.BadParameter("throughput must be >= 0", ctx, param)
