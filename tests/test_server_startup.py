@@ -25,7 +25,7 @@ def test_serve_help_imports_neither_torch_nor_hivemind():
 def test_serving_path_imports_no_optional_conversion_library(tiny_model_path):
     code = f"""
 import sys, torch
-from petals.cli.run_server import build_settings
+from petals.server.planning import resolve_settings
 from petals.convert import convert_block
 from petals.loading import load_block
 from petals.networking import NetworkOptions

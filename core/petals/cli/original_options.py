@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from petals.networking import exclusive, option
+from petals.networking import NetworkOptions, exclusive, option
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,7 @@ def original_petals_options(command: Callable) -> Callable:
         option(
             "--daemon_startup_timeout",
             type=float,
-            default=60,
-            show_default=True,
-            help="Seconds to wait for the p2p daemon to start.",
+            help=f"Seconds to wait for the p2p daemon to start (default: {NetworkOptions.startup_timeout:g}).",
         ),
         option("--no_auto_relay", is_flag=True, help="Do not look for relays (the default here)."),
         option(

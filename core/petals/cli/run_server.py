@@ -4,11 +4,10 @@ Options take both spellings (``--num_blocks`` and ``--num-blocks``), can come fr
 (``-c server.yml``, keys as option names) and from ``PETALS_<OPTION>`` environment variables
 (``PETALS_NUM_BLOCKS=4``). Precedence: command line, environment, config file, defaults.
 
-``--torch_dtype auto`` serves in the checkpoint's dtype, except that float32 checkpoints are served
-in bfloat16 on GPUs (as Petals does) and stay float32 on CPU. ``--quant_type`` defaults to nf4 on
-GPUs and none on CPU (and with ``--tensor_parallel_devices``, which does not combine with it yet).
-Without ``--num_blocks`` and ``--block_indices`` the server hosts as many blocks as fit in memory
-(``petals.convert.plan_num_blocks``, the arithmetic is logged).
+This module only parses options: the ones given are mapped onto ``petals.server.settings.ServerSettings``,
+which holds every default (``--help`` shows them from there), and ``petals.server.planning``
+decides the defaults that depend on the machine or the model (device, dtype, quantization, limits,
+how many blocks fit, with the arithmetic logged) and measures the throughput.
 """
 
 from __future__ import annotations
@@ -19,20 +18,51 @@ import dataclasses
 import gc
 import json
 import logging
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
-from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging, require_optional
+from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging
 from petals.cli.original_options import apply_original_options, original_petals_options
-from petals.networking import exclusive, network_cli_options, network_options_from_cli, option, split_words
+from petals.networking import (
+    NetworkOptions,
+    exclusive,
+    network_cli_options,
+    network_options_from_cli,
+    option,
+    split_words,
+)
+from petals.server.settings import (
+    DTYPE_CHOICES,
+    QUANT_TYPE_CHOICES,
+    THROUGHPUT_CHOICES,
+    ServerSettings,
+    SettingError,
+    describe_default,
+)
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANT_TYPES = ("none", "int8", "nf4")
+# options named otherwise than their ServerSettings field (Petals' names)
+SETTING_OF_OPTION = {"torch_dtype": "dtype"}
+OPTION_OF_SETTING = {setting: name for name, setting in SETTING_OF_OPTION.items()}
+
+
+class SettingOption(click.Option):
+    """An option for a ``ServerSettings`` field: unset unless given, ``--help`` shows the field's default."""
+
+    def get_help_extra(self, ctx: click.Context) -> dict[str, Any]:
+        extra = dict(super().get_help_extra(ctx))
+        default = describe_default(SETTING_OF_OPTION.get(self.name, self.name))
+        if default is not None:
+            extra["default"] = default
+        return extra
+
+
+def setting(name: str, *more: str, **kwargs: Any) -> Callable:
+    return option(name, *more, cls=SettingOption, **kwargs)
 
 
 def load_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -60,14 +90,14 @@ def parse_block_indices(ctx: click.Context, param: click.Parameter, value: str |
     return range(int(start), int(end))
 
 
-def parse_throughput(ctx: click.Context, param: click.Parameter, value: str) -> str | float:
-    if value in ("auto", "eval", "dry_run"):
+def parse_throughput(ctx: click.Context, param: click.Parameter, value: str | None) -> str | float | None:
+    if value is None or value in THROUGHPUT_CHOICES:
         return value
     try:
         number = float(value)
     except ValueError:
         raise click.BadParameter(
-            f"expected auto, eval, dry_run or a number; got {value!r}", ctx, param
+            f"expected {', '.join(THROUGHPUT_CHOICES)} or a number; got {value!r}", ctx, param
         ) from None
     if not number >= 0:
         raise click.BadParameter("throughput must be >= 0", ctx, param)
@@ -111,27 +141,17 @@ def _taking_following_words(process):
     callback=load_config_file,
     help="YAML file with option values.",
 )
-@option("--public_name", help="Your name on the swarm's health monitor.")
-@option("--token", help="Hugging Face token for gated or private models.")
-@option(
+@setting("--public_name", help="Your name on the swarm's health monitor.")
+@setting("--token", help="Hugging Face token for gated or private models.")
+@setting(
     "--num_blocks", type=click.IntRange(min=1), help="Host this many blocks, where the swarm needs them most."
 )
-@option(
+@setting(
     "--block_indices", callback=parse_block_indices, help="Host exactly blocks START:END (no rebalancing)."
 )
-@option(
-    "--dht_prefix",
-    "--prefix",
-    help="DHT key prefix (default: derived from the model name by its family's rule).",
-)
-@option(
-    "--torch_dtype", type=click.Choice(DTYPES), default="auto", show_default=True, help="Dtype to serve in."
-)
-@option(
-    "--quant_type",
-    type=click.Choice(QUANT_TYPES),
-    help="Weight quantization (default: nf4 on GPUs, none on CPU or with --tensor_parallel_devices).",
-)
+@setting("--dht_prefix", "--prefix", help="DHT key prefix.")
+@setting("--torch_dtype", type=click.Choice(DTYPE_CHOICES), help="Dtype to serve in.")
+@setting("--quant_type", type=click.Choice(QUANT_TYPE_CHOICES), help="Weight quantization.")
 @option(
     "--tensor_parallel_devices",
     cls=WordsOption,
@@ -145,53 +165,33 @@ def _taking_following_words(process):
     help="LoRA adapters to preload (local directories or repo ids, safetensors only); "
     "clients pick one by this name.",
 )
-@option("--device", help="torch device (default: cuda if available, else cpu).")
-@option(
+@setting("--device", help="torch device.")
+@setting(
     "--throughput",
-    default="auto",
-    show_default=True,
     callback=parse_throughput,
     help="auto (measure once, cached), eval (measure again), dry_run (measure, print, exit) or a number.",
 )
-@option("--max_batch_size", type=click.IntRange(min=1), help="Max tokens (batch × length) per request.")
-@option("--inference_max_length", type=click.IntRange(min=1), help="Max max_length of an inference session.")
-@option("--attn_cache_tokens", type=click.IntRange(min=1), help="KV-cache budget in tokens per hosted block.")
-@option("--request_timeout", type=float, default=180, show_default=True, help="Seconds per forward/backward.")
-@option("--session_timeout", type=float, default=1800, show_default=True, help="Max seconds of one session.")
-@option(
-    "--step_timeout", type=float, default=300, show_default=True, help="Max seconds between session steps."
+@setting("--max_batch_size", type=click.IntRange(min=1), help="Max tokens (batch × length) per request.")
+@setting("--inference_max_length", type=click.IntRange(min=1), help="Max max_length of an inference session.")
+@setting(
+    "--attn_cache_tokens", type=click.IntRange(min=1), help="KV-cache budget in tokens per hosted block."
 )
-@option(
-    "--update_period", type=float, default=60, show_default=True, help="Seconds between DHT announcements."
-)
-@option("--expiration", type=float, help="DHT record lifetime (default: max(2 × update_period, 3)).")
-@option(
+@setting("--request_timeout", type=float, help="Seconds per forward/backward.")
+@setting("--session_timeout", type=float, help="Max seconds of one session.")
+@setting("--step_timeout", type=float, help="Max seconds between session steps.")
+@setting("--update_period", type=float, help="Seconds between DHT announcements.")
+@setting("--expiration", type=float, help="DHT record lifetime.")
+@setting(
     "--balance_quality",
     type=float,
-    default=0.75,
-    show_default=True,
     help="Move when swarm throughput < this × what moving would give (0: never, >1: always).",
 )
-@option(
-    "--mean_balance_check_period",
-    type=float,
-    default=60,
-    show_default=True,
-    help="Mean seconds between rebalancing checks.",
-)
-@option(
-    "--stats_period",
-    "--stats_report_interval",
-    type=float,
-    default=60,
-    show_default=True,
-    help="Seconds between status log lines.",
-)
-@option(
+@setting("--mean_balance_check_period", type=float, help="Mean seconds between rebalancing checks.")
+@setting("--stats_period", "--stats_report_interval", type=float, help="Seconds between status log lines.")
+@setting(
     "--cache_dir",
-    type=click.Path(file_okay=False),
-    help="Hugging Face cache for downloaded weights (default: HF's) and home of the throughput cache "
-    "(default: $PETALS_CACHE or ~/.cache/petals).",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Hugging Face cache for downloaded weights and home of the throughput cache.",
 )
 @original_petals_options
 @option(
@@ -218,8 +218,18 @@ def serve_command(model: str | None, **options: Any) -> None:
         gc.enable()
 
 
-def settings_from_cli(model: str, options: dict[str, Any]):
-    """Check the option combinations, then ``build_settings``."""
+def settings_from_cli(model: str, options: dict[str, Any]) -> ServerSettings | None:
+    """The settings to serve with; ``None`` after ``--throughput dry_run`` (which prints the measurement)."""
+    requested = requested_settings(model, options)
+    settings = resolve(requested)
+    if requested.throughput == "dry_run":
+        click.echo(json.dumps(settings.throughput.__dict__))
+        return None
+    return settings
+
+
+def requested_settings(model: str, options: dict[str, Any]) -> ServerSettings:
+    """Check the option combinations, then map the options given onto ``ServerSettings``."""
     options["tensor_parallel_devices"] = split_words(options["tensor_parallel_devices"])
     options["adapters"] = split_words(options["adapters"])
     check_local_path(model)  # before the slow imports: a typo fails at once
@@ -235,14 +245,23 @@ def settings_from_cli(model: str, options: dict[str, Any]):
         ("--num_blocks", options["num_blocks"] is not None),
         ("--block_indices", options["block_indices"] is not None),
     )
+    network = network_from_cli(options)
+    given = {SETTING_OF_OPTION.get(name, name): value for name, value in options.items() if value is not None}
+    return ServerSettings(model=model, network=network, **given)
+
+
+def network_from_cli(options: dict[str, Any]) -> NetworkOptions:
+    """Take the network options out of ``options``."""
     network = network_options_from_cli(
         initial_peers=split_words(options.pop("initial_peers")),
         host_maddrs=split_words(options.pop("host_maddrs")),
         announce_maddrs=split_words(options.pop("announce_maddrs")),
         **{name: options.pop(name) for name in NETWORK_SCALARS},
     )
-    network = dataclasses.replace(network, startup_timeout=options.pop("daemon_startup_timeout"))
-    return build_settings(model, network, options)
+    startup_timeout = options.pop("daemon_startup_timeout")
+    if startup_timeout is None:
+        return network
+    return dataclasses.replace(network, startup_timeout=startup_timeout)
 
 
 NETWORK_SCALARS = (
@@ -258,118 +277,18 @@ NETWORK_SCALARS = (
 )
 
 
-def build_settings(model: str, network, options: dict[str, Any]):
-    """Resolve defaults that depend on the model and the machine; ``None`` after ``--throughput dry_run``."""
-    import torch
-
-    from petals.auto import AutoDistributedConfig
-    from petals.convert import plan_num_blocks
+def resolve(requested: ServerSettings) -> ServerSettings:
+    """``resolve_settings``, its failures told as the option to change or as one error line."""
     from petals.plugins import PluginError
-    from petals.server.server import ServerSettings
-    from petals.server.throughput import ThroughputInfo, get_server_throughput
+    from petals.server.planning import resolve_settings
 
-    cache_dir = Path(options["cache_dir"]) if options["cache_dir"] else None
     try:
-        config = AutoDistributedConfig.from_pretrained(
-            model,
-            dht_prefix=options["dht_prefix"],
-            cache_dir=cache_dir,
-            token=options["token"],
-            revision=options["revision"],
-        )
-    except (PluginError, OSError, ValueError) as error:
+        return resolve_settings(requested)
+    except SettingError as error:
+        option_name = OPTION_OF_SETTING.get(error.setting, error.setting)
+        raise click.BadParameter(str(error), param_hint=f"--{option_name}") from error
+    except (PluginError, OSError, ValueError) as error:  # the model's config, its adapters, the memory plan
         raise PetalsCliError(str(error)) from error
-    try:
-        tensor_parallel_devices = tuple(map(torch.device, options["tensor_parallel_devices"]))
-    except RuntimeError as error:
-        raise click.BadParameter(str(error), param_hint="--tensor_parallel_devices") from error
-    default_device = tensor_parallel_devices[0] if tensor_parallel_devices else None
-    device = torch.device(
-        options["device"] or default_device or ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    dtype = resolve_dtype(options["torch_dtype"], config, device)
-    quant_type = options["quant_type"] or (
-        "nf4" if device.type == "cuda" and not tensor_parallel_devices else "none"
-    )
-    require_optional_packages(quant_type, tensor_parallel_devices, options["adapters"])
-    adapter_weights = check_adapters(options["adapters"], cache_dir=cache_dir, token=options["token"])
-    grouped_kv = config.num_key_value_groups > 1  # Petals' defaults are larger for GQA/multi-query models
-    attn_cache_tokens = options["attn_cache_tokens"] or (16384 if grouped_kv else 4096)
-    total_blocks = config.num_hidden_layers
-    blocks = options["block_indices"]
-    if blocks is not None and blocks.stop > total_blocks:
-        raise click.UsageError(
-            f"--block_indices {blocks.start}:{blocks.stop}: the model has {total_blocks} blocks"
-        )
-    if blocks is not None:
-        num_blocks = len(blocks)
-    elif options["num_blocks"] is not None:
-        num_blocks = options["num_blocks"]
-        if num_blocks > total_blocks:
-            raise click.BadParameter(
-                f"{num_blocks} blocks asked, but the model has {total_blocks}", param_hint="--num_blocks"
-            )
-    else:
-        try:
-            num_blocks, _ = plan_num_blocks(
-                config,
-                device,
-                dtype,
-                quant_type,
-                attn_cache_tokens,
-                adapter_files=adapter_weights,
-                tensor_parallel_devices=tensor_parallel_devices,
-            )
-        except ValueError as error:
-            raise PetalsCliError(str(error)) from error
-    throughput = options["throughput"]
-    if isinstance(throughput, float):
-        throughput_info = ThroughputInfo(throughput)
-    else:
-        throughput_cache = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
-        throughput_info = get_server_throughput(
-            config,
-            dtype,
-            device,
-            num_blocks,
-            cache_dir or throughput_cache,
-            force_eval=throughput != "auto",
-            quant_type=quant_type,
-            tensor_parallel_devices=tensor_parallel_devices,
-        )
-        if throughput == "dry_run":
-            click.echo(json.dumps(throughput_info.__dict__))
-            return None
-    return ServerSettings(
-        model=model,
-        network=network,
-        throughput=throughput_info,
-        dtype=dtype,
-        device=device,
-        num_blocks=num_blocks,
-        block_indices=blocks,
-        dht_prefix=config.dht_prefix,
-        token=options["token"],
-        revision=options["revision"],
-        cache_dir=cache_dir,
-        max_disk_space=options["max_disk_space"],
-        skip_reachability_check=options["skip_reachability_check"],
-        max_batch_size=options["max_batch_size"] or (8192 if grouped_kv else 2048),
-        inference_max_length=options["inference_max_length"] or (8192 if grouped_kv else 2048),
-        attn_cache_tokens=attn_cache_tokens,
-        request_timeout=options["request_timeout"],
-        session_timeout=options["session_timeout"],
-        step_timeout=options["step_timeout"],
-        update_period=options["update_period"],
-        expiration=options["expiration"],
-        balance_quality=options["balance_quality"],
-        mean_balance_check_period=options["mean_balance_check_period"],
-        stats_period=options["stats_period"],
-        public_name=options["public_name"],
-        quant_type=quant_type,
-        tensor_parallel_devices=tensor_parallel_devices,
-        adapters=options["adapters"],
-    )
 
 
 def check_local_path(name: str, what: str = "model") -> None:
@@ -378,42 +297,6 @@ def check_local_path(name: str, what: str = "model") -> None:
         raise PetalsCliError(
             f"{what} {name}: no such directory; give an existing directory or a Hugging Face repo id (org/name)"
         )
-
-
-def require_optional_packages(
-    quant_type: str, tensor_parallel_devices: tuple, adapters: tuple[str, ...]
-) -> None:
-    """Fail before joining the swarm when an option's optional package is not installed."""
-    for package, needed in (
-        ("bitsandbytes", quant_type != "none"),
-        ("tensor_parallel", bool(tensor_parallel_devices)),
-        ("peft", bool(adapters)),
-    ):
-        if needed:
-            require_optional(package)
-
-
-def check_adapters(adapters: tuple[str, ...], **hub_kwargs) -> dict[str, Path]:
-    """Each adapter's safetensors weights (downloaded if needed); a missing or pickle-only one stops the start."""
-    from petals.convert import AdapterError, adapter_files
-
-    try:
-        return {name: adapter_files(name, name, **hub_kwargs)[1] for name in adapters}
-    except (AdapterError, OSError) as error:
-        raise PetalsCliError(str(error)) from error
-
-
-def resolve_dtype(name: str, config, device):
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype == torch.float32:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return dtype
 
 
 def run_server(settings) -> NoReturn:

@@ -70,8 +70,30 @@ class _ServerSession:
         trace: tracing.StepTrace | None = None,
         name: str = "server",
     ) -> torch.Tensor:
-        config = self.manager.config
         started = time.perf_counter() if trace is not None else 0.0
+        request = self._request((hidden, prompts, hypo_ids), step_id, next_servers, trace is not None)
+        if trace is not None:
+            started = trace.add_since("client: serialization", started)
+        response = await self._exchange(request, tokens=hidden.shape[0] * hidden.shape[1])
+        if trace is not None:
+            trace.add_since(f"client: wait for {name}", started)
+            self._record_server_trace(response, trace, name)
+            started = time.perf_counter()
+        output = self._accept(response, hidden)
+        if trace is not None:
+            trace.add_since("client: serialization", started)
+        return output.to(hidden.dtype)
+
+    def _request(
+        self,
+        tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        step_id: str,
+        next_servers: list[list[Any]] | None,
+        traced: bool,
+    ) -> runtime_pb2.ExpertRequest:
+        """The message of one step, from its ``(hidden, prompts, hypo_ids)``; the stream's first one
+        also opens the server's session."""
+        hidden, prompts, hypo_ids = tensors
         _, args_structure = pack_args_kwargs(
             hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
         )
@@ -86,36 +108,37 @@ class _ServerSession:
             "args_structure": args_structure,
         }
         if self._responses is None:
+            config = self.manager.config
             metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
         if self._start_from is not None:
             metadata["start_from_position"] = self._start_from
         if next_servers:
             metadata["next_servers"] = next_servers
-        if trace is not None:
+        if traced:
             metadata["trace"] = True
-        request = runtime_pb2.ExpertRequest(
+        return runtime_pb2.ExpertRequest(
             uid=self.manager.chain_uid(self.span.start, self.span.end),
             tensors=protos,
             metadata=write_metadata(metadata),
         )
-        if trace is not None:
-            started = trace.add_since("client: serialization", started)
+
+    async def _exchange(self, request: runtime_pb2.ExpertRequest, tokens: int) -> runtime_pb2.ExpertResponse:
+        """Send ``request`` (opening the stream first) and wait for its answer within the step deadline."""
         if self._responses is None:
             self._responses = await asyncio.wait_for(
                 open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
-                config.connect_timeout,
+                self.manager.config.connect_timeout,
             )
-        tokens = hidden.shape[0] * hidden.shape[1]
         deadlines = self.manager.step_deadlines
         sent = time.perf_counter()
         self._requests.put_nowait(request)
         async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
             response = await anext(self._responses)
         deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
-        if trace is not None:
-            trace.add_since(f"client: wait for {name}", started)
-            self._record_server_trace(response, trace, name)
-            started = time.perf_counter()
+        return response
+
+    def _accept(self, response: runtime_pb2.ExpertResponse, hidden: torch.Tensor) -> torch.Tensor:
+        """The server's output for ``hidden``, checked; the step now counts as done on this server."""
         if len(response.tensors) != 1:
             raise ServerMisbehaved(
                 f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
@@ -128,9 +151,7 @@ class _ServerSession:
         self._history.append(hidden)
         self.position += hidden.shape[1]
         self._start_from = None
-        if trace is not None:
-            trace.add_since("client: serialization", started)
-        return output.to(hidden.dtype)
+        return output
 
     @staticmethod
     def _record_server_trace(

@@ -12,17 +12,14 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 import petals
-from petals.auto import AutoDistributedConfig
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import (
@@ -33,7 +30,7 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.loading import Checkpoint, load_block
-from petals.networking import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
+from petals.networking import DaemonGone, daemon_alive, leave_network, while_daemon_lives
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
@@ -43,7 +40,7 @@ from petals.server.memory import CacheBudget
 from petals.server.pings import NextPings
 from petals.server.scheduler import ComputeQueue
 from petals.server.sessions import SessionRegistry
-from petals.server.throughput import ThroughputInfo
+from petals.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,50 +50,11 @@ READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.testing.swarm 
 LEAVE_SECONDS = 3.0
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """Everything ``petals serve`` decides before the server starts (see ``petals serve --help``)."""
-
-    model: str
-    network: NetworkOptions
-    throughput: ThroughputInfo
-    dtype: torch.dtype
-    device: torch.device
-    num_blocks: int | None = None
-    block_indices: range | None = None
-    dht_prefix: str | None = None
-    token: str | bool | None = None
-    revision: str | None = None
-    cache_dir: Path | None = None
-    max_disk_space: int | None = None  # bytes the hub cache may use (petals.disk_cache)
-    skip_reachability_check: bool = False
-    max_batch_size: int = 2048
-    inference_max_length: int = 2048
-    attn_cache_tokens: int = 8192
-    request_timeout: float = 3 * 60
-    session_timeout: float = 30 * 60
-    step_timeout: float = 5 * 60
-    update_period: float = 60
-    expiration: float | None = None
-    balance_quality: float = 0.75
-    mean_balance_check_period: float = 60
-    stats_period: float = 60
-    public_name: str | None = None
-    quant_type: str = "none"
-    tensor_parallel_devices: tuple[torch.device, ...] = ()
-    adapters: tuple[str, ...] = ()  # each a local directory or a repo id, also the name clients ask for
-
-
 class Server:
     def __init__(self, settings: ServerSettings) -> None:
+        """``settings`` as decided by ``petals.server.planning.resolve_settings``."""
         self.settings = settings
-        self.config = AutoDistributedConfig.from_pretrained(
-            settings.model,
-            dht_prefix=settings.dht_prefix,
-            cache_dir=settings.cache_dir,
-            token=settings.token,
-            revision=settings.revision,
-        )
+        self.config = settings.load_config()
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
         self.all_uids = make_uids(self.dht_prefix, 0, self.total_blocks)

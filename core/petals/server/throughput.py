@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from transformers import PretrainedConfig
 from petals.block import make_block
 from petals.convert import QuantType, convert_block
 from petals.server.backend import BlockBackend
+from petals.server.settings import THROUGHPUT_CHOICES, ServerSettings, SettingError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,35 @@ class ThroughputInfo:
     throughput: float
     forward_rps: float | None = None
     inference_rps: float | None = None
+
+
+def resolve_throughput(settings: ServerSettings, config: PretrainedConfig, num_blocks: int) -> ThroughputInfo:
+    """``settings.throughput`` as announced: a number as given, else measured (``auto``: cached) for ``num_blocks``.
+
+    ``settings`` has its device, dtype and quantization decided already (see ``resolve_settings``).
+    """
+    requested = settings.throughput
+    if isinstance(requested, ThroughputInfo):
+        return requested
+    if isinstance(requested, int | float):
+        return ThroughputInfo(float(requested))
+    if requested not in THROUGHPUT_CHOICES:
+        raise SettingError("throughput", f"expected one of {', '.join(THROUGHPUT_CHOICES)} or a number")
+    return get_server_throughput(
+        config,
+        settings.dtype,
+        settings.device,
+        num_blocks,
+        settings.cache_dir or default_cache_dir(),
+        force_eval=requested != "auto",
+        quant_type=settings.quant_type,
+        tensor_parallel_devices=settings.tensor_parallel_devices,
+    )
+
+
+def default_cache_dir() -> Path:
+    """Where measurements are cached without ``--cache_dir``: ``$PETALS_CACHE``, else ``~/.cache/petals``."""
+    return Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
 
 
 def get_server_throughput(

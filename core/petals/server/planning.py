@@ -1,0 +1,246 @@
+"""Deciding what a server runs with: device, dtype, quantization, limits, how many blocks fit, throughput.
+
+``resolve_settings`` turns the settings that were asked for (``ServerSettings`` with its open
+defaults) into the ones a ``Server`` runs with. Each rule is a function of its own, so it can be
+read and tested alone: ``choose_device``, ``choose_dtype``, ``choose_quant_type``,
+``default_limits`` and ``plan_num_blocks`` (weights after quantization + exact KV cache + adapters,
+against the device's memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from petals.server.settings import (
+    FULL_KV_LIMITS,
+    GROUPED_KV_LIMITS,
+    ModelLimits,
+    ServerSettings,
+    SettingError,
+)
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+def resolve_settings(settings: ServerSettings) -> ServerSettings:
+    """Decide every default left open; measures the throughput unless a number was given.
+
+    Raises ``SettingError`` for a setting that cannot work with this model or machine,
+    ``ValueError`` when not even one block fits, ``ModuleNotFoundError`` when an optional package
+    that the settings need is missing, and what loading the config or the adapters raises.
+    """
+    from petals.server.throughput import resolve_throughput
+
+    config = settings.load_config()
+    tensor_parallel_devices = tuple(
+        parse_device(device, "tensor_parallel_devices") for device in settings.tensor_parallel_devices
+    )
+    device = choose_device(settings.device, tensor_parallel_devices, torch.cuda.is_available())
+    quant_type = choose_quant_type(settings.quant_type, device, tensor_parallel_devices)
+    check_packages(quant_type, tensor_parallel_devices, settings.adapters)
+    adapter_weights = adapter_weight_files(settings)
+    settings = dataclasses.replace(
+        settings,
+        dht_prefix=config.dht_prefix,
+        dtype=choose_dtype(settings.dtype, config, device),
+        device=device,
+        quant_type=quant_type,
+        tensor_parallel_devices=tensor_parallel_devices,
+        **choose_limits(settings, config),
+    )
+    num_blocks = choose_num_blocks(settings, config, adapter_weights)
+    throughput = resolve_throughput(settings, config, num_blocks)
+    return dataclasses.replace(settings, num_blocks=num_blocks, throughput=throughput)
+
+
+def parse_device(device: torch.device | str, setting: str = "device") -> torch.device:
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise SettingError(setting, str(error)) from error
+
+
+def choose_device(
+    requested: torch.device | str | None,
+    tensor_parallel_devices: Sequence[torch.device],
+    cuda_available: bool,
+) -> torch.device:
+    """The device asked for, else the first tensor-parallel device, else cuda if available, else cpu."""
+    if requested is not None:
+        return parse_device(requested)
+    if tensor_parallel_devices:
+        return torch.device(tensor_parallel_devices[0])
+    return torch.device("cuda" if cuda_available else "cpu")
+
+
+def choose_dtype(requested: torch.dtype | str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto`` is the checkpoint's dtype, except that float32 (or unknown) is served in bfloat16 on GPUs.
+
+    As in Petals: half precision halves the memory and speeds up GPUs, while on CPU bfloat16 matmuls
+    are slow, so float32 stays float32 there.
+    """
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested != "auto":
+        return getattr(torch, requested)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype == torch.float32:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return dtype
+
+
+def choose_quant_type(
+    requested: str | None, device: torch.device, tensor_parallel_devices: Sequence[torch.device] = ()
+) -> str:
+    """nf4 on a GPU (4x the blocks per GiB, as Petals), none on CPU and with tensor parallelism.
+
+    bitsandbytes quantizes on GPUs only, and sharding does not combine with quantization yet.
+    """
+    if requested is not None:
+        return requested
+    return "nf4" if torch.device(device).type == "cuda" and not tensor_parallel_devices else "none"
+
+
+def default_limits(config: PretrainedConfig) -> ModelLimits:
+    """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA)."""
+    from petals.block import kv_cache_layout
+
+    return GROUPED_KV_LIMITS if kv_cache_layout(config).group_size > 1 else FULL_KV_LIMITS
+
+
+def choose_limits(settings: ServerSettings, config: PretrainedConfig) -> dict[str, int]:
+    """The limits given in ``settings``, the model's defaults for the others."""
+    defaults = default_limits(config)
+    return {
+        limit.name: getattr(settings, limit.name) or getattr(defaults, limit.name)
+        for limit in dataclasses.fields(ModelLimits)
+    }
+
+
+def check_packages(
+    quant_type: str, tensor_parallel_devices: Sequence[torch.device], adapters: Sequence[str]
+) -> None:
+    """Fail before joining the swarm (``ModuleNotFoundError``) when a needed optional package is missing."""
+    for package, needed in (
+        ("bitsandbytes", quant_type != "none"),
+        ("tensor_parallel", bool(tensor_parallel_devices)),
+        ("peft", bool(adapters)),
+    ):
+        if needed:
+            importlib.import_module(package)
+
+
+def adapter_weight_files(settings: ServerSettings) -> dict[str, Path]:
+    """Each adapter's safetensors weights (downloaded if needed); a missing or pickle-only one raises."""
+    from petals.convert import adapter_files
+
+    hub = {"cache_dir": settings.cache_dir, "token": settings.token}
+    return {name: adapter_files(name, name, **hub)[1] for name in settings.adapters}
+
+
+def choose_num_blocks(
+    settings: ServerSettings, config: PretrainedConfig, adapter_weights: Mapping[str, os.PathLike]
+) -> int:
+    """The blocks asked for (checked against the model), else as many as fit (``plan_num_blocks``)."""
+    total = config.num_hidden_layers
+    blocks = settings.block_indices
+    if blocks is not None:
+        if blocks.stop > total:
+            raise SettingError(
+                "block_indices", f"blocks {blocks.start}:{blocks.stop} asked, but the model has {total}"
+            )
+        return len(blocks)
+    if settings.num_blocks is not None:
+        if settings.num_blocks > total:
+            raise SettingError("num_blocks", f"{settings.num_blocks} blocks asked, but the model has {total}")
+        return settings.num_blocks
+    num_blocks, _ = plan_num_blocks(
+        config,
+        settings.device,
+        settings.dtype,
+        settings.quant_type,
+        settings.attn_cache_tokens,
+        adapter_files=adapter_weights,
+        tensor_parallel_devices=settings.tensor_parallel_devices,
+    )
+    return num_blocks
+
+
+def device_memory_bytes(device: torch.device | str) -> int:
+    """Memory a server may fill on ``device``: the GPU's total memory, or the host's available RAM on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def adapter_bytes_per_block(config: PretrainedConfig, adapter_files: Mapping[str, os.PathLike]) -> int:
+    """LoRA weights per block: each adapter's safetensors size spread over the model's blocks."""
+    return sum(Path(path).stat().st_size for path in adapter_files.values()) // config.num_hidden_layers
+
+
+def plan_num_blocks(
+    config: PretrainedConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quant_type: str | None = None,
+    attn_cache_tokens: int | None = None,
+    *,
+    adapter_files: Mapping[str, os.PathLike] = {},
+    tensor_parallel_devices: Sequence[torch.device | str] = (),
+    memory_bytes: int | None = None,
+) -> tuple[int, str]:
+    """How many blocks fit in device memory, and the arithmetic behind it (also logged).
+
+    Per block: weights after quantization + a KV cache of ``attn_cache_tokens`` tokens (exact
+    key/value heads, so grouped-query attention counts) + LoRA adapters. Reserved once: 2 GiB per
+    device for autograd, scaled by hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
+    With tensor parallelism the devices' memories add up (counted as ``n * min``).
+    ``memory_bytes`` overrides the measured total. Capped at the model's number of blocks.
+    ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose.
+    """
+    from petals.block import kv_cache_layout
+    from petals.convert import estimate_block_weight_bytes
+
+    devices = [torch.device(d) for d in tensor_parallel_devices] or [torch.device(device)]
+    quant_type = choose_quant_type(quant_type, devices[0], tensor_parallel_devices)
+    attn_cache_tokens = attn_cache_tokens or default_limits(config).attn_cache_tokens
+    if memory_bytes is None:
+        memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
+    weights = estimate_block_weight_bytes(config, dtype, quant_type)
+    cache = attn_cache_tokens * kv_cache_layout(config).bytes_per_token(dtype)
+    adapters = adapter_bytes_per_block(config, adapter_files)
+    per_block = weights + cache + adapters
+    autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
+    num_blocks = min(max(0, (memory_bytes - autograd) // per_block), config.num_hidden_layers)
+    explanation = (
+        f"{num_blocks} blocks = min(floor(({_gib(memory_bytes)} memory on {', '.join(map(str, devices))} "
+        f"- {_gib(autograd)} autograd reserve) / {_gib(per_block)} per block), {config.num_hidden_layers} in the model); "
+        f"per block: {_gib(weights)} weights ({quant_type}, {str(dtype).removeprefix('torch.')}) "
+        f"+ {_gib(cache)} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
+    )
+    logger.info("Memory plan: %s", explanation)
+    if num_blocks < 1:
+        raise ValueError(
+            f"not even one block fits: {explanation}. Use --quant_type nf4, fewer --attn_cache_tokens, "
+            "or set --num_blocks explicitly"
+        )
+    return num_blocks, explanation
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.3f} GiB"
