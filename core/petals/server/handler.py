@@ -30,7 +30,7 @@ from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.memory import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
-from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry, run_decode_steps
+from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
 from petals.tracing import SERVER_TRACING, StepTrace
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
@@ -251,7 +251,7 @@ class TransformerConnectionHandler(ServicerBase):
             await self.budget.admit(backends, batch_size, max_length, first_tokens, alloc_timeout)
             caches = self.budget.open_caches(backends, batch_size, max_length)
             session_id = metadata.get("session_id") or str(uuid.uuid4())
-            session = InferenceSession(session_id, list(backends), caches, batch_size, max_length)
+            session = ServerInferenceSession(session_id, list(backends), caches, batch_size, max_length)
             try:
                 with self.sessions.registered(session):
                     async for response in self._serve_session(session, args, metadata, requests):
@@ -273,7 +273,7 @@ class TransformerConnectionHandler(ServicerBase):
 
     async def _serve_session(
         self,
-        session: InferenceSession,
+        session: ServerInferenceSession,
         first_args: InferenceArgs,
         first_metadata: dict,
         requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -300,7 +300,7 @@ class TransformerConnectionHandler(ServicerBase):
         finally:
             reader.cancel()
 
-    def _claim_step(self, session: InferenceSession, metadata: dict) -> bool:
+    def _claim_step(self, session: ServerInferenceSession, metadata: dict) -> bool:
         """False for a step this session already computed (a push and the client's copy race)."""
         step_id = metadata.get("step_id")
         if step_id is not None:
@@ -311,7 +311,7 @@ class TransformerConnectionHandler(ServicerBase):
         return True
 
     async def _next_step(
-        self, session: InferenceSession, deadline: float
+        self, session: ServerInferenceSession, deadline: float
     ) -> tuple[runtime_pb2.ExpertRequest, float] | None:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -327,7 +327,7 @@ class TransformerConnectionHandler(ServicerBase):
             raise WireError(f"no inference step within --step_timeout {self.limits.step_timeout} s") from None
 
     async def _inference_step(
-        self, session: InferenceSession, args: InferenceArgs, metadata: dict, trace: StepTrace | None
+        self, session: ServerInferenceSession, args: InferenceArgs, metadata: dict, trace: StepTrace | None
     ) -> runtime_pb2.ExpertResponse:
         step_started = time.perf_counter()
         if trace is not None:
@@ -374,7 +374,7 @@ class TransformerConnectionHandler(ServicerBase):
 
     async def _run_inference(
         self,
-        session: InferenceSession,
+        session: ServerInferenceSession,
         hidden: torch.Tensor,
         prompts: list[torch.Tensor | None],
         hypo_ids: torch.Tensor | None,
@@ -628,7 +628,7 @@ def _record_compute_queue(trace: StepTrace) -> None:
 
 
 def _prepare_and_run(
-    session: InferenceSession,
+    session: ServerInferenceSession,
     hidden: torch.Tensor,
     prompts: list[torch.Tensor | None],
     hypo_ids: torch.Tensor | None,
