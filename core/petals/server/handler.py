@@ -28,7 +28,7 @@ from petals.data_structures import make_uids, parse_uid_chain
 from petals.kv_cache import OutOfPagesError
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
-from petals.server.memory import AllocationFailed, CacheBudget
+from petals.server.cache_budget import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
 from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
 from petals.tracing import SERVER_TRACING, StepTrace

@@ -38,8 +38,8 @@ from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
+from petals.server.cache_budget import CacheBudget
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
-from petals.server.memory import CacheBudget
 from petals.server.pings import NextPings
 from petals.server.scheduler import ComputeQueue
 from petals.server.sessions import SessionRegistry
