@@ -22,7 +22,7 @@ from hivemind.p2p import PeerID
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from petals.client.network import ClientNetwork
+from petals.network.client import ClientNetwork
 from petals.swarm_state import SwarmState, fetch_swarm_state, reach_error
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from petals.networking import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
+from petals.network.p2p import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
 
 if TYPE_CHECKING:
-    from petals.client.network import ClientNetwork
+    from petals.network.client import ClientNetwork
     from petals.swarm_state import ModelReport, ServerRow, SwarmState
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase display: the next frame replaces the last one
@@ -65,7 +65,7 @@ def client_network_options(initial_peers: Sequence[str], loopback: bool) -> Netw
 
 def join_swarm(options: NetworkOptions) -> ClientNetwork:
     """A client peer in the swarm; a swarm it cannot reach is one line saying so, not a traceback."""
-    from petals.client.network import ClientNetwork, SwarmUnreachableError
+    from petals.network.client import ClientNetwork, SwarmUnreachableError
 
     try:
         return ClientNetwork(options)

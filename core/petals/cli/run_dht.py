@@ -16,7 +16,7 @@ import click
 from petals.cli.errors import PetalsCommand, configure_logging
 from petals.cli.run_server import resume_gc
 from petals.cli.stopping import StopSignals, exit_without_teardown
-from petals.networking import (
+from petals.network.p2p import (
     leave_network,
     network_cli_options,
     network_options_from_cli,

@@ -27,7 +27,7 @@ import click
 
 from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging, require_optional
 from petals.cli.original_options import apply_original_options, original_petals_options
-from petals.networking import exclusive, network_cli_options, network_options_from_cli, option, split_words
+from petals.network.p2p import exclusive, network_cli_options, network_options_from_cli, option, split_words
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import logging
 import torch
 
 from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
-from petals.client.rpc import call_chain
 from petals.data_structures import RemoteSpanInfo
+from petals.network.rpc import call_chain
 from petals.wire import pack_args_kwargs
 
 logger = logging.getLogger(__name__)

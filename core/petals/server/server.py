@@ -33,7 +33,7 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.loading import Checkpoint, load_block
-from petals.networking import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
+from petals.network.p2p import DaemonGone, NetworkOptions, daemon_alive, leave_network, while_daemon_lives
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks

@@ -16,7 +16,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
 from petals.dht import create_node
-from petals.networking import NetworkOptions
+from petals.network.p2p import NetworkOptions
 
 T = TypeVar("T")
 
