@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from petals.network.p2p import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
+from petals.cli.options import option, split_words
+from petals.network.p2p import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions
 
 if TYPE_CHECKING:
     from petals.network.client import ClientNetwork

@@ -12,7 +12,7 @@ import socket
 import click
 
 from petals.cli.health import client_network_options, join_swarm, swarm_client_options
-from petals.network.p2p import option
+from petals.cli.options import option
 
 FIRST_UPDATE_TIMEOUT = 60
 

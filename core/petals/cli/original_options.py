@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from petals.network.p2p import exclusive, option
+from petals.cli.options import exclusive, option
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,10 @@ from typing import Any, NoReturn
 import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
+from petals.cli.options import network_cli_options, network_options_from_cli, option, split_words
 from petals.cli.run_server import resume_gc
 from petals.cli.stopping import StopSignals, exit_without_teardown
-from petals.network.p2p import (
-    leave_network,
-    network_cli_options,
-    network_options_from_cli,
-    option,
-    split_words,
-)
+from petals.network.p2p import leave_network
 
 logger = logging.getLogger(__name__)
 

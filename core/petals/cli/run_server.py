@@ -26,8 +26,8 @@ from typing import Any, NoReturn
 import click
 
 from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging, require_optional
+from petals.cli.options import exclusive, network_cli_options, network_options_from_cli, option, split_words
 from petals.cli.original_options import apply_original_options, original_petals_options
-from petals.network.p2p import exclusive, network_cli_options, network_options_from_cli, option, split_words
 
 logger = logging.getLogger(__name__)
 
