@@ -1,5 +1,7 @@
 """Start a real local swarm: ``petals dht`` and ``petals serve`` subprocesses on 127.0.0.1.
 
+``petals demo`` runs on it; tests reach it through ``petals.testing.swarm``.
+
 Every process runs with ``--loopback`` (listen on 127.0.0.1, no NAT port mapping, no AutoNAT, no
 relays), so nothing leaves the machine. Processes are stopped through their own handles (SIGINT,
 then SIGKILL after a timeout), never by matching names. ``own_process_group=True`` starts one in a
@@ -23,14 +25,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from petals.server.server import READY_MESSAGE
-
-# what an in-process client peer passes to stay on this machine: 127.0.0.1 only, no NAT/relays
-LOOPBACK_CLIENT = {
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-    "nat_port_map": False,
-    "auto_nat": False,
-    "use_relay": False,
-}
 
 PEER_ID_PATTERN = re.compile(r"Joined the swarm in [\d.]+ s as (\S+)")
 

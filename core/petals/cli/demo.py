@@ -48,7 +48,7 @@ def demo_command(
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     speculation = speculation_kwargs(speculative, None)
     from petals.demo_model import prepare_demo_model
-    from petals.testing.swarm import running_swarm
+    from petals.local_swarm import running_swarm
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -82,7 +82,7 @@ def answer_question(
 
     from petals import AutoDistributedModelForCausalLM
     from petals.client.generation import StepStats
-    from petals.testing.swarm import LOOPBACK_CLIENT
+    from petals.network.client import LOOPBACK_CLIENT
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -126,7 +126,7 @@ def print_swarm_map(model) -> None:
 
 
 def wait_for_ctrl_c(model_path, initial_peers) -> None:
-    from petals.testing.swarm import SwarmProcessError, start_monitor
+    from petals.local_swarm import SwarmProcessError, start_monitor
 
     peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
     monitor_command = f"petals monitor {peers} --loopback"

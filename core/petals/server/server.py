@@ -47,7 +47,7 @@ from petals.server.throughput import ThroughputInfo
 
 logger = logging.getLogger(__name__)
 
-READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.testing.swarm waits for it
+READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.local_swarm waits for it
 # leaving a span (stop or rebalancing) takes at most this long, however the network behaves; then
 # stopping p2pd takes up to 1 s more (``leave_network``): a stop signal is done with in < 5 s
 LEAVE_SECONDS = 3.0
