@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 (hivemind spots streams by typing's alias)
@@ -74,6 +74,45 @@ class HandlerLimits:
     adapters: tuple[str, ...] = ()
 
 
+# a handler method computing forward or backward: (handler, uid chain, metadata, tensors) → tensors to send
+Computation = Callable[
+    ["TransformerConnectionHandler", str, dict, list[torch.Tensor]], Awaitable[list[torch.Tensor]]
+]
+
+
+def unary_rpc(method: str, compute: Computation) -> Callable:
+    """The ``rpc_*`` handler method answering one request with ``compute``."""
+
+    async def rpc(
+        self: TransformerConnectionHandler, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        async with self._reporting(method, context):
+            metadata = read_metadata(request.metadata)
+            outputs = await compute(self, request.uid, metadata, deserialize_tensors(request.tensors))
+            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs(outputs, metadata))
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
+
+
+def streamed_rpc(method: str, compute: Computation) -> Callable:
+    """The ``rpc_*_stream`` handler method: the request and the answer come in parts."""
+
+    async def rpc(
+        self: TransformerConnectionHandler,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        context: P2PContext,
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with self._reporting(method, context):
+            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
+            outputs = await compute(self, uid, metadata, tensors)
+            for part in response_parts(self._serialize_outputs(outputs, metadata)):
+                yield part
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
+
+
 class TransformerConnectionHandler(ServicerBase):
     """Serves forward, backward and inference sessions over the blocks of one ``HostedBlocks``."""
 
@@ -132,50 +171,19 @@ class TransformerConnectionHandler(ServicerBase):
 
     # ---- forward / backward ------------------------------------------------------------------
 
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        async with self._reporting("rpc_forward", context):
-            metadata = read_metadata(request.metadata)
-            output = await self._forward_request(request.uid, metadata, deserialize_tensors(request.tensors))
-            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs([output], metadata))
-
-    async def rpc_forward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with self._reporting("rpc_forward_stream", context):
-            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
-            output = await self._forward_request(uid, metadata, tensors)
-            for part in response_parts(self._serialize_outputs([output], metadata)):
-                yield part
-
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        async with self._reporting("rpc_backward", context):
-            metadata = read_metadata(request.metadata)
-            grads = await self._backward_request(request.uid, metadata, deserialize_tensors(request.tensors))
-            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs(grads, metadata))
-
-    async def rpc_backward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with self._reporting("rpc_backward_stream", context):
-            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
-            grads = await self._backward_request(uid, metadata, tensors)
-            for part in response_parts(self._serialize_outputs(grads, metadata)):
-                yield part
-
-    async def _forward_request(self, uid: str, metadata: dict, tensors: list[torch.Tensor]) -> torch.Tensor:
+    async def _forward_request(
+        self, uid: str, metadata: dict, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         backends = self._with_adapter(self._backends(uid), metadata)
         args = unpack_args(tensors, metadata.get("args_structure"))
         if not args:
             raise WireError("rpc_forward expects (hidden_states, prompts)")
         hidden = self._check_hidden(args[0], allow_empty=False)
         prompts = self._check_prompts(args[1] if len(args) > 1 else None, len(backends), hidden)
-        return await asyncio.wait_for(
+        output = await asyncio.wait_for(
             self._run_forward(backends, hidden, prompts), self.limits.request_timeout
         )
+        return [output]
 
     async def _run_forward(
         self, backends: Sequence[BlockBackend], hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None]
@@ -224,6 +232,12 @@ class TransformerConnectionHandler(ServicerBase):
         if not grad_prompts:
             return [grad_output]
         return [grad_output, torch.stack(grad_prompts[::-1])]
+
+    # each unary, or streamed in parts when its payload is over the daemon's unary cap
+    rpc_forward = unary_rpc("rpc_forward", _forward_request)
+    rpc_forward_stream = streamed_rpc("rpc_forward_stream", _forward_request)
+    rpc_backward = unary_rpc("rpc_backward", _backward_request)
+    rpc_backward_stream = streamed_rpc("rpc_backward_stream", _backward_request)
 
     # ---- inference ---------------------------------------------------------------------------
 
