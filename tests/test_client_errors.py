@@ -12,8 +12,8 @@ import torch
 
 import petals
 from conftest import LOOPBACK_CLIENT, running_swarm
-from petals.client.network import SwarmUnreachableError
 from petals.client.routing import MissingBlocksError
+from petals.network.client import SwarmUnreachableError
 from petals.plugins import UnknownModelTypeError
 
 

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.block import kv_cache_layout
 from petals.convert import estimate_block_weight_bytes
-from petals.networking import NetworkOptions
+from petals.network.p2p import NetworkOptions
 from petals.server.planning import (
     GiB,
     choose_device,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from petals.cli.original_options import apply_original_options
 from petals.cli.run_server import SETTING_OF_OPTION, requested_settings, serve_command
-from petals.networking import NetworkOptions
+from petals.network.p2p import NetworkOptions
 from petals.server.settings import SETTING_NAMES, ServerSettings, describe_default
 
 

@@ -28,7 +28,7 @@ import sys, torch
 from petals.server.planning import resolve_settings
 from petals.convert import convert_block
 from petals.loading import load_block
-from petals.networking import NetworkOptions
+from petals.network.p2p import NetworkOptions
 from petals.server.server import Server
 block = load_block({str(tiny_model_path("llama"))!r}, 0, torch.float32)
 convert_block(block, 0, block.config, dtype=torch.float32, device=torch.device("cpu"), quant_type="none")

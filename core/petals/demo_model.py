@@ -10,11 +10,30 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from petals.plugins import PluginError, UnknownModelTypeError, get_plugin_manager
+
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEMO_MODEL_TYPE = "llama"  # SmolLM2 is a Llama-architecture model
+DEMO_PLUGIN_PACKAGE = "petals-llama"  # the first-party plugin that serves that model type
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
+
+
+class MissingDemoPluginError(PluginError):
+    """No installed plugin serves the demo model's type."""
+
+
+def require_demo_plugin() -> None:
+    """Fail at once, naming the plugin to install, rather than when the demo's servers load blocks."""
+    try:
+        get_plugin_manager().family(DEMO_MODEL_TYPE)
+    except UnknownModelTypeError as error:
+        raise MissingDemoPluginError(
+            f"petals demo runs {DEMO_MODEL_NAME}, a {DEMO_MODEL_TYPE!r} model, and no installed plugin "
+            f"serves that model type: pip install {DEMO_PLUGIN_PACKAGE}"
+        ) from error
 
 
 def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -22,12 +22,27 @@ from hivemind.p2p import PeerID
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from petals.client.network import ClientNetwork
-from petals.swarm_state import SwarmState, fetch_swarm_state, reach_error
+from petals.network.client import ClientNetwork
+from petals.swarm_state import ModelReport, SwarmState, fetch_swarm_state, reach_error
 
 logger = logging.getLogger(__name__)
 
 SERVER_STATES = ("online", "joining", "offline", "unreachable")
+# one sample per model, labelled with its DHT prefix: (name, help, the value from the model's report)
+MODEL_GAUGES: tuple[tuple[str, str, Callable[[ModelReport], float]], ...] = (
+    ("petals_swarm_blocks", "Blocks of the model", lambda report: report.num_blocks),
+    (
+        "petals_swarm_blocks_online",
+        "Blocks served by at least one ONLINE server",
+        lambda report: sum(map(bool, report.servers_per_block())),
+    ),
+    (
+        "petals_swarm_block_servers_online_min",
+        "ONLINE servers of the least covered block",
+        lambda report: min(report.servers_per_block()),
+    ),
+    ("petals_swarm_healthy", "1 if every block is served", lambda report: report.healthy),
+)
 
 
 class StateUpdater:
@@ -134,30 +149,8 @@ class SwarmCollector:
 
     def _model_gauges(self, state: SwarmState) -> Iterator[Metric]:
         reports = state.models
-        yield _gauge(
-            "petals_swarm_blocks",
-            "Blocks of the model",
-            ["model"],
-            [([r.dht_prefix], r.num_blocks) for r in reports],
-        )
-        yield _gauge(
-            "petals_swarm_blocks_online",
-            "Blocks served by at least one ONLINE server",
-            ["model"],
-            [([r.dht_prefix], sum(map(bool, r.servers_per_block()))) for r in reports],
-        )
-        yield _gauge(
-            "petals_swarm_block_servers_online_min",
-            "ONLINE servers of the least covered block",
-            ["model"],
-            [([r.dht_prefix], min(r.servers_per_block())) for r in reports],
-        )
-        yield _gauge(
-            "petals_swarm_healthy",
-            "1 if every block is served",
-            ["model"],
-            [([r.dht_prefix], r.healthy) for r in reports],
-        )
+        for name, documentation, value in MODEL_GAUGES:
+            yield _gauge(name, documentation, ["model"], [([r.dht_prefix], value(r)) for r in reports])
         yield _gauge(
             "petals_swarm_servers",
             "Servers of the model by state",

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from petals.api.service import Chunk, Events, Finished, ModelService, Sampling, ServiceBusyError
 from petals.api.text import StreamingText
-from petals.client.network import SwarmUnreachableError
 from petals.client.routing import MissingBlocksError
+from petals.network.client import SwarmUnreachableError
 
 MAX_STOP_STRINGS = 4
 

@@ -109,7 +109,7 @@ def run_api(
     from transformers import AutoTokenizer
 
     from petals import AutoDistributedModelForCausalLM
-    from petals.testing.swarm import LOOPBACK_CLIENT
+    from petals.network.client import LOOPBACK_CLIENT
 
     sock = bind(host, port)  # before loading: a taken port fails at once
     tokenizer = AutoTokenizer.from_pretrained(model)

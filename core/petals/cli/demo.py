@@ -17,13 +17,14 @@ import time
 
 import click
 
+from petals.cli.errors import PetalsCommand
 from petals.cli.generate import encode, speculation_kwargs
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
 
 
-@click.command("demo")
+@click.command("demo", cls=PetalsCommand)
 @click.option("--question", default=QUESTION, show_default=True)
 @click.option("--max_new_tokens", "--max-new-tokens", default=48, show_default=True)
 @click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
@@ -47,8 +48,10 @@ def demo_command(
 ) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     speculation = speculation_kwargs(speculative, None)
-    from petals.demo_model import prepare_demo_model
-    from petals.testing.swarm import running_swarm
+    from petals.demo_model import prepare_demo_model, require_demo_plugin
+    from petals.local_swarm import running_swarm
+
+    require_demo_plugin()
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -82,7 +85,7 @@ def answer_question(
 
     from petals import AutoDistributedModelForCausalLM
     from petals.client.generation import StepStats
-    from petals.testing.swarm import LOOPBACK_CLIENT
+    from petals.network.client import LOOPBACK_CLIENT
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -126,7 +129,7 @@ def print_swarm_map(model) -> None:
 
 
 def wait_for_ctrl_c(model_path, initial_peers) -> None:
-    from petals.testing.swarm import SwarmProcessError, start_monitor
+    from petals.local_swarm import SwarmProcessError, start_monitor
 
     peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
     monitor_command = f"petals monitor {peers} --loopback"

@@ -125,7 +125,7 @@ def connect(model: str, options: dict[str, Any]):
     from transformers import AutoTokenizer
 
     from petals import AutoDistributedModelForCausalLM
-    from petals.testing.swarm import LOOPBACK_CLIENT
+    from petals.network.client import LOOPBACK_CLIENT
 
     status(f"Loading the tokenizer and the local layers of {model}...")
     tokenizer = AutoTokenizer.from_pretrained(model)

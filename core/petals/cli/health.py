@@ -8,19 +8,22 @@ Exits 1 when a model misses blocks (or none is announced), so scripts can check 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from petals.networking import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions, option, split_words
+from petals.cli.options import option, split_words
+from petals.network.p2p import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions
 
 if TYPE_CHECKING:
-    from petals.client.network import ClientNetwork
+    from petals.network.client import ClientNetwork
     from petals.swarm_state import ModelReport, ServerRow, SwarmState
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase display: the next frame replaces the last one
@@ -40,17 +43,35 @@ COLUMNS = (
 )
 
 
-def swarm_client_options(command: Callable) -> Callable:
-    """``--initial_peers`` and ``--loopback``, shared by ``petals health`` and ``petals monitor``."""
-    command = option(
+@dataclass(frozen=True)
+class SwarmQuery:
+    """What ``petals health`` and ``petals monitor`` look at: MODEL (None: every model), through
+    which peers, refreshed how often."""
+
+    model: str | None
+    network: NetworkOptions
+    update_period: float
+
+
+def swarm_query_options(command: Callable) -> Callable:
+    """MODEL, ``--initial_peers``, ``--loopback`` and ``--update_period``, shared by ``petals health``
+    and ``petals monitor``, handed to ``command`` as one ``query: SwarmQuery``."""
+
+    @functools.wraps(command)
+    def with_query(
+        model: str | None, initial_peers: tuple[str, ...], loopback: bool, update_period: float, **kwargs: Any
+    ) -> Any:
+        query = SwarmQuery(model, client_network_options(initial_peers, loopback), update_period)
+        return command(query=query, **kwargs)
+
+    peers_help = "Multiaddrs of swarm peers (repeat or space-separate)."
+    model = click.argument("model", required=False)
+    peers = option("--initial_peers", multiple=True, required=True, help=peers_help)
+    loopback = option(
         "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
-    )(command)
-    return option(
-        "--initial_peers",
-        multiple=True,
-        required=True,
-        help="Multiaddrs of swarm peers (repeat or space-separate).",
-    )(command)
+    )
+    period = option("--update_period", type=click.FloatRange(min=0.1), default=15, show_default=True)
+    return model(peers(loopback(period(with_query))))
 
 
 def client_network_options(initial_peers: Sequence[str], loopback: bool) -> NetworkOptions:
@@ -65,7 +86,7 @@ def client_network_options(initial_peers: Sequence[str], loopback: bool) -> Netw
 
 def join_swarm(options: NetworkOptions) -> ClientNetwork:
     """A client peer in the swarm; a swarm it cannot reach is one line saying so, not a traceback."""
-    from petals.client.network import ClientNetwork, SwarmUnreachableError
+    from petals.network.client import ClientNetwork, SwarmUnreachableError
 
     try:
         return ClientNetwork(options)
@@ -74,29 +95,23 @@ def join_swarm(options: NetworkOptions) -> ClientNetwork:
 
 
 @click.command("health")
-@click.argument("model", required=False)
-@swarm_client_options
+@swarm_query_options
 @option("--json", "as_json", is_flag=True, help="Print the /api/v1/state JSON document instead.")
 @option("--watch", is_flag=True, help="Refresh in place every --update_period seconds (Ctrl-C stops).")
-@option("--update_period", type=click.FloatRange(min=0.1), default=15, show_default=True)
-def health_command(
-    model: str | None,
-    initial_peers: tuple[str, ...],
-    loopback: bool,
-    as_json: bool,
-    watch: bool,
-    update_period: float,
-) -> None:
+def health_command(query: SwarmQuery, as_json: bool, watch: bool) -> None:
     """Show block coverage, servers and health of MODEL (default: every model the swarm announces)."""
     from petals.swarm_state import UnknownModelError, fetch_swarm_state
 
-    options = client_network_options(initial_peers, loopback)
-    network = join_swarm(options)
+    network = join_swarm(query.network)
     try:
         while True:
             started = time.monotonic()
             fetch = fetch_swarm_state(
-                network.node, network.p2p, options.initial_peers, model=model, update_period=update_period
+                network.node,
+                network.p2p,
+                query.network.initial_peers,
+                model=query.model,
+                update_period=query.update_period,
             )
             try:
                 state = network.run(fetch)
@@ -105,7 +120,7 @@ def health_command(
             show(state, as_json=as_json, watch=watch)
             if not watch:
                 sys.exit(0 if state.models and all(report.healthy for report in state.models) else 1)
-            time.sleep(max(0.0, update_period - (time.monotonic() - started)))
+            time.sleep(max(0.0, query.update_period - (time.monotonic() - started)))
     except KeyboardInterrupt:
         pass
     finally:

@@ -11,26 +11,17 @@ import socket
 
 import click
 
-from petals.cli.health import client_network_options, join_swarm, swarm_client_options
-from petals.networking import option
+from petals.cli.health import SwarmQuery, join_swarm, swarm_query_options
+from petals.cli.options import option
 
 FIRST_UPDATE_TIMEOUT = 60
 
 
 @click.command("monitor")
-@click.argument("model", required=False)
-@swarm_client_options
+@swarm_query_options
 @option("--host", default="127.0.0.1", show_default=True, help="Address to serve the page on.")
 @option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
-@option("--update_period", type=click.FloatRange(min=0.1), default=15, show_default=True)
-def monitor_command(
-    model: str | None,
-    initial_peers: tuple[str, ...],
-    loopback: bool,
-    host: str,
-    port: int,
-    update_period: float,
-) -> None:
+def monitor_command(query: SwarmQuery, host: str, port: int) -> None:
     """Serve a web page and an API showing the swarm's block coverage and servers."""
     try:
         import uvicorn
@@ -41,9 +32,8 @@ def monitor_command(
             f"{error}: petals monitor needs the monitor extra: pip install 'petals-core[monitor]'"
         ) from None
     listener = bind(host, port)
-    options = client_network_options(initial_peers, loopback)
-    network = join_swarm(options)
-    updater = StateUpdater(network, options.initial_peers, model, update_period)
+    network = join_swarm(query.network)
+    updater = StateUpdater(network, query.network.initial_peers, query.model, query.update_period)
     try:
         updater.ready.wait(FIRST_UPDATE_TIMEOUT)  # after that, serve anyway: /api/v1/state says 503
         bound_host, bound_port = listener.getsockname()[:2]

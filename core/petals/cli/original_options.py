@@ -18,7 +18,8 @@ from typing import Any
 
 import click
 
-from petals.networking import NetworkOptions, exclusive, option
+from petals.cli.options import exclusive, option
+from petals.network.p2p import NetworkOptions
 
 logger = logging.getLogger(__name__)
 

@@ -12,17 +12,13 @@ import logging
 from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from petals.cli.errors import PetalsCommand, configure_logging
+from petals.cli.options import exclusive, network_cli_options, network_options_from_cli, option, split_words
 from petals.cli.run_server import resume_gc
 from petals.cli.stopping import StopSignals, exit_without_teardown
-from petals.networking import (
-    leave_network,
-    network_cli_options,
-    network_options_from_cli,
-    option,
-    split_words,
-)
+from petals.network.p2p import leave_network
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +28,34 @@ logger = logging.getLogger(__name__)
     cls=PetalsCommand,
     context_settings={"auto_envvar_prefix": "PETALS_DHT", "help_option_names": ["-h", "--help"]},
 )
-@option(
-    "--refresh_period", type=float, default=30, show_default=True, help="Seconds between status log lines."
-)
+@option("--log_period", type=float, default=30, show_default=True, help="Seconds between status log lines.")
+# the old name of --log_period (it never refreshed anything), still accepted for existing scripts
+@option("--refresh_period", type=float, hidden=True)
 @network_cli_options
-def dht_command(refresh_period: float, **options: Any) -> None:
+def dht_command(log_period: float, refresh_period: float | None, **options: Any) -> None:
     """Run a DHT bootstrap peer for a (new or existing) swarm."""
     configure_logging()
+    if refresh_period is not None:
+        log_period = log_period_from_deprecated(log_period, refresh_period)
     gc.disable()  # while importing and joining, as petals serve does (see collect_startup_garbage)
     try:
-        run_dht(refresh_period, options)
+        run_dht(log_period, options)
     finally:
         gc.enable()
 
 
-def run_dht(refresh_period: float, options: dict[str, Any]) -> NoReturn:
+def log_period_from_deprecated(log_period: float, refresh_period: float) -> float:
+    """``--refresh_period`` (deprecated) sets the log period, unless ``--log_period`` is given too."""
+    context = click.get_current_context()
+    exclusive(
+        ("--log_period", context.get_parameter_source("log_period") != ParameterSource.DEFAULT),
+        ("--refresh_period", True),
+    )
+    logger.warning("--refresh_period is deprecated: it sets the period of status log lines; use --log_period")
+    return refresh_period
+
+
+def run_dht(log_period: float, options: dict[str, Any]) -> NoReturn:
     from petals.dht import create_node
     from petals.reachability import ReachabilityProtocol
 
@@ -75,7 +84,7 @@ def run_dht(refresh_period: float, options: dict[str, Any]) -> NoReturn:
             )
             while not stop.is_set():
                 try:
-                    await asyncio.wait_for(stop.wait(), refresh_period)
+                    await asyncio.wait_for(stop.wait(), log_period)
                 except TimeoutError:
                     peers = await p2p.list_peers()
                     logger.info(

@@ -25,15 +25,9 @@ from typing import Any, NoReturn
 import click
 
 from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging
+from petals.cli.options import exclusive, network_cli_options, network_options_from_cli, option, split_words
 from petals.cli.original_options import apply_original_options, original_petals_options
-from petals.networking import (
-    NetworkOptions,
-    exclusive,
-    network_cli_options,
-    network_options_from_cli,
-    option,
-    split_words,
-)
+from petals.network.p2p import NetworkOptions
 from petals.server.settings import (
     DTYPE_CHOICES,
     QUANT_TYPE_CHOICES,

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import NoReturn
 
-from petals.networking import kill_daemons
+from petals.network.p2p import kill_daemons
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from hivemind.proto import runtime_pb2
 
 from petals import tracing
 from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
-from petals.client.rpc import open_inference_stream
 from petals.data_structures import RemoteSpanInfo
+from petals.network.rpc import open_inference_stream
 from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
 
 logger = logging.getLogger(__name__)

@@ -38,9 +38,9 @@ from petals.auto import AutoDistributedConfig
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
-from petals.client.network import ClientNetwork
 from petals.client.remote_sequential import RemoteSequential
 from petals.loading import Checkpoint
+from petals.network.client import ClientNetwork
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from petals.client.inference_session import InferenceSession
-from petals.client.network import ClientNetwork, network_options
 from petals.client.routing import RemoteSequenceManager
 from petals.client.sequential_autograd import RemoteChainFunction
+from petals.network.client import ClientNetwork, network_options
 
 
 class RemoteSequential(nn.Module):

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
-from petals.client.network import ClientNetwork
-from petals.client.rpc import ping
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
+from petals.network.client import ClientNetwork
+from petals.network.rpc import ping
 from petals.wire import error_kind
 
 logger = logging.getLogger(__name__)

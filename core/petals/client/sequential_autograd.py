@@ -15,8 +15,8 @@ import logging
 import torch
 
 from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
-from petals.client.rpc import call_chain
 from petals.data_structures import RemoteSpanInfo
+from petals.network.rpc import call_chain
 from petals.wire import pack_args_kwargs
 
 logger = logging.getLogger(__name__)
@@ -26,8 +26,16 @@ MAX_TOKENS_IN_BATCH = 1024  # Petals' sub-batch size, below every default --max_
 SpanInputs = list[tuple[RemoteSpanInfo, torch.Tensor]]
 
 
-def _metadata(manager: RemoteSequenceManager, args_structure) -> dict:
-    return {"points": 0.0, "active_adapter": manager.config.active_adapter, "args_structure": args_structure}
+async def _call_span(
+    manager: RemoteSequenceManager, method: str, span: RemoteSpanInfo, *args: torch.Tensor
+) -> list[torch.Tensor]:
+    """``method`` (``rpc_forward`` / ``rpc_backward``) with ``args`` on the server of ``span``, as one chain."""
+    tensors, structure = pack_args_kwargs(*args)
+    metadata = {"points": 0.0, "active_adapter": manager.config.active_adapter, "args_structure": structure}
+    uid = manager.chain_uid(span.start, span.end)
+    return await call_chain(
+        manager.network.p2p, span.peer_id, method, uid, tensors, metadata, manager.config.request_timeout
+    )
 
 
 def _span_prompts(prompts: torch.Tensor | None, span: RemoteSpanInfo) -> torch.Tensor:
@@ -68,16 +76,9 @@ async def sequential_forward(
         async def attempt(block: int = block, hidden: torch.Tensor = hidden):
             route = await manager.make_sequence(block, end, mode="max_throughput")
             span = route[0]
-            tensors, structure = pack_args_kwargs(hidden, _span_prompts(prompts, span))
             try:
-                (output,) = await call_chain(
-                    manager.network.p2p,
-                    span.peer_id,
-                    "rpc_forward",
-                    manager.chain_uid(span.start, span.end),
-                    tensors,
-                    _metadata(manager, structure),
-                    manager.config.request_timeout,
+                (output,) = await _call_span(
+                    manager, "rpc_forward", span, hidden, _span_prompts(prompts, span)
                 )
             except Exception as error:
                 raise _SpanError(span, error) from error
@@ -104,16 +105,9 @@ async def sequential_backward(
     failures = 0
     while stack:
         span, inputs = stack.pop()
-        tensors, structure = pack_args_kwargs(inputs, grad_output, _span_prompts(prompts, span))
         try:
-            grads = await call_chain(
-                manager.network.p2p,
-                span.peer_id,
-                "rpc_backward",
-                manager.chain_uid(span.start, span.end),
-                tensors,
-                _metadata(manager, structure),
-                manager.config.request_timeout,
+            grads = await _call_span(
+                manager, "rpc_backward", span, inputs, grad_output, _span_prompts(prompts, span)
             )
         except Exception as error:
             await manager.handle_failure(error, span.peer_id, failures)

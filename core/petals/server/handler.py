@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 (hivemind spots streams by typing's alias)
@@ -28,9 +28,9 @@ from petals.data_structures import make_uids, parse_uid_chain
 from petals.kv_cache import OutOfPagesError
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
-from petals.server.memory import AllocationFailed, CacheBudget
+from petals.server.cache_budget import AllocationFailed, CacheBudget
 from petals.server.scheduler import ComputeQueue, Priority
-from petals.server.sessions import DecodeStep, InferenceSession, SessionRegistry, run_decode_steps
+from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
 from petals.tracing import SERVER_TRACING, StepTrace
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
@@ -72,6 +72,45 @@ class HandlerLimits:
     session_timeout: float
     step_timeout: float
     adapters: tuple[str, ...] = ()
+
+
+# a handler method computing forward or backward: (handler, uid chain, metadata, tensors) → tensors to send
+Computation = Callable[
+    ["TransformerConnectionHandler", str, dict, list[torch.Tensor]], Awaitable[list[torch.Tensor]]
+]
+
+
+def unary_rpc(method: str, compute: Computation) -> Callable:
+    """The ``rpc_*`` handler method answering one request with ``compute``."""
+
+    async def rpc(
+        self: TransformerConnectionHandler, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        async with self._reporting(method, context):
+            metadata = read_metadata(request.metadata)
+            outputs = await compute(self, request.uid, metadata, deserialize_tensors(request.tensors))
+            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs(outputs, metadata))
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
+
+
+def streamed_rpc(method: str, compute: Computation) -> Callable:
+    """The ``rpc_*_stream`` handler method: the request and the answer come in parts."""
+
+    async def rpc(
+        self: TransformerConnectionHandler,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        context: P2PContext,
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with self._reporting(method, context):
+            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
+            outputs = await compute(self, uid, metadata, tensors)
+            for part in response_parts(self._serialize_outputs(outputs, metadata)):
+                yield part
+
+    rpc.__name__ = rpc.__qualname__ = method
+    return rpc
 
 
 class TransformerConnectionHandler(ServicerBase):
@@ -132,50 +171,19 @@ class TransformerConnectionHandler(ServicerBase):
 
     # ---- forward / backward ------------------------------------------------------------------
 
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        async with self._reporting("rpc_forward", context):
-            metadata = read_metadata(request.metadata)
-            output = await self._forward_request(request.uid, metadata, deserialize_tensors(request.tensors))
-            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs([output], metadata))
-
-    async def rpc_forward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with self._reporting("rpc_forward_stream", context):
-            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
-            output = await self._forward_request(uid, metadata, tensors)
-            for part in response_parts(self._serialize_outputs([output], metadata)):
-                yield part
-
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        async with self._reporting("rpc_backward", context):
-            metadata = read_metadata(request.metadata)
-            grads = await self._backward_request(request.uid, metadata, deserialize_tensors(request.tensors))
-            return runtime_pb2.ExpertResponse(tensors=self._serialize_outputs(grads, metadata))
-
-    async def rpc_backward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with self._reporting("rpc_backward_stream", context):
-            uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
-            grads = await self._backward_request(uid, metadata, tensors)
-            for part in response_parts(self._serialize_outputs(grads, metadata)):
-                yield part
-
-    async def _forward_request(self, uid: str, metadata: dict, tensors: list[torch.Tensor]) -> torch.Tensor:
+    async def _forward_request(
+        self, uid: str, metadata: dict, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         backends = self._with_adapter(self._backends(uid), metadata)
         args = unpack_args(tensors, metadata.get("args_structure"))
         if not args:
             raise WireError("rpc_forward expects (hidden_states, prompts)")
         hidden = self._check_hidden(args[0], allow_empty=False)
         prompts = self._check_prompts(args[1] if len(args) > 1 else None, len(backends), hidden)
-        return await asyncio.wait_for(
+        output = await asyncio.wait_for(
             self._run_forward(backends, hidden, prompts), self.limits.request_timeout
         )
+        return [output]
 
     async def _run_forward(
         self, backends: Sequence[BlockBackend], hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None]
@@ -225,6 +233,12 @@ class TransformerConnectionHandler(ServicerBase):
             return [grad_output]
         return [grad_output, torch.stack(grad_prompts[::-1])]
 
+    # each unary, or streamed in parts when its payload is over the daemon's unary cap
+    rpc_forward = unary_rpc("rpc_forward", _forward_request)
+    rpc_forward_stream = streamed_rpc("rpc_forward_stream", _forward_request)
+    rpc_backward = unary_rpc("rpc_backward", _backward_request)
+    rpc_backward_stream = streamed_rpc("rpc_backward_stream", _backward_request)
+
     # ---- inference ---------------------------------------------------------------------------
 
     async def rpc_inference(
@@ -251,7 +265,7 @@ class TransformerConnectionHandler(ServicerBase):
             await self.budget.admit(backends, batch_size, max_length, first_tokens, alloc_timeout)
             caches = self.budget.open_caches(backends, batch_size, max_length)
             session_id = metadata.get("session_id") or str(uuid.uuid4())
-            session = InferenceSession(session_id, list(backends), caches, batch_size, max_length)
+            session = ServerInferenceSession(session_id, list(backends), caches, batch_size, max_length)
             try:
                 with self.sessions.registered(session):
                     async for response in self._serve_session(session, args, metadata, requests):
@@ -273,7 +287,7 @@ class TransformerConnectionHandler(ServicerBase):
 
     async def _serve_session(
         self,
-        session: InferenceSession,
+        session: ServerInferenceSession,
         first_args: InferenceArgs,
         first_metadata: dict,
         requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -300,7 +314,7 @@ class TransformerConnectionHandler(ServicerBase):
         finally:
             reader.cancel()
 
-    def _claim_step(self, session: InferenceSession, metadata: dict) -> bool:
+    def _claim_step(self, session: ServerInferenceSession, metadata: dict) -> bool:
         """False for a step this session already computed (a push and the client's copy race)."""
         step_id = metadata.get("step_id")
         if step_id is not None:
@@ -311,7 +325,7 @@ class TransformerConnectionHandler(ServicerBase):
         return True
 
     async def _next_step(
-        self, session: InferenceSession, deadline: float
+        self, session: ServerInferenceSession, deadline: float
     ) -> tuple[runtime_pb2.ExpertRequest, float] | None:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -327,7 +341,7 @@ class TransformerConnectionHandler(ServicerBase):
             raise WireError(f"no inference step within --step_timeout {self.limits.step_timeout} s") from None
 
     async def _inference_step(
-        self, session: InferenceSession, args: InferenceArgs, metadata: dict, trace: StepTrace | None
+        self, session: ServerInferenceSession, args: InferenceArgs, metadata: dict, trace: StepTrace | None
     ) -> runtime_pb2.ExpertResponse:
         step_started = time.perf_counter()
         if trace is not None:
@@ -374,7 +388,7 @@ class TransformerConnectionHandler(ServicerBase):
 
     async def _run_inference(
         self,
-        session: InferenceSession,
+        session: ServerInferenceSession,
         hidden: torch.Tensor,
         prompts: list[torch.Tensor | None],
         hypo_ids: torch.Tensor | None,
@@ -628,7 +642,7 @@ def _record_compute_queue(trace: StepTrace) -> None:
 
 
 def _prepare_and_run(
-    session: InferenceSession,
+    session: ServerInferenceSession,
     hidden: torch.Tensor,
     prompts: list[torch.Tensor | None],
     hypo_ids: torch.Tensor | None,

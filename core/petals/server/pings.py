@@ -14,9 +14,9 @@ import math
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
-from petals.client.rpc import ping
 from petals.data_structures import ServerState
 from petals.dht import get_remote_module_infos
+from petals.network.rpc import ping
 
 MAX_PINGED = 5  # next servers pinged per announcement
 PING_TIMEOUT = 2.0

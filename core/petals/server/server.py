@@ -30,13 +30,13 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.loading import Checkpoint, load_block
-from petals.networking import DaemonGone, daemon_alive, leave_network, while_daemon_lives
+from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
+from petals.server.cache_budget import CacheBudget
 from petals.server.handler import HandlerLimits, TransformerConnectionHandler
-from petals.server.memory import CacheBudget
 from petals.server.pings import NextPings
 from petals.server.scheduler import ComputeQueue
 from petals.server.sessions import SessionRegistry
@@ -44,7 +44,7 @@ from petals.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
-READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.testing.swarm waits for it
+READY_MESSAGE = "Server is ONLINE"  # logged once serving; petals.local_swarm waits for it
 # leaving a span (stop or rebalancing) takes at most this long, however the network behaves; then
 # stopping p2pd takes up to 1 s more (``leave_network``): a stop signal is done with in < 5 s
 LEAVE_SECONDS = 3.0

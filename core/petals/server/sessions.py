@@ -27,7 +27,7 @@ from petals.wire import WireError, shown
 
 
 @dataclass
-class InferenceSession:
+class ServerInferenceSession:
     """One client's stream on this server: a KV cache per block, fed by its client and by pushes."""
 
     session_id: str
@@ -91,7 +91,7 @@ class InferenceSession:
 class DecodeStep:
     """A short step of one session without deep prompts: what the compute queue merges."""
 
-    session: InferenceSession
+    session: ServerInferenceSession
     hidden: torch.Tensor
     hypo_ids: torch.Tensor | None
     start: int | None
@@ -147,16 +147,16 @@ def _record_block(traces: list[StepTrace], backend: BlockBackend, started: float
 
 class SessionRegistry:
     def __init__(self) -> None:
-        self._sessions: dict[str, InferenceSession] = {}
+        self._sessions: dict[str, ServerInferenceSession] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: object) -> InferenceSession | None:
+    def get(self, session_id: object) -> ServerInferenceSession | None:
         return self._sessions.get(session_id) if isinstance(session_id, str) else None
 
     @contextmanager
-    def registered(self, session: InferenceSession) -> Iterator[InferenceSession]:
+    def registered(self, session: ServerInferenceSession) -> Iterator[ServerInferenceSession]:
         if session.session_id in self._sessions:
             raise WireError(f"session {shown(session.session_id)} is already open on this server")
         self._sessions[session.session_id] = session

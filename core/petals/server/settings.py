@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from petals.networking import NetworkOptions
+    from petals.network.p2p import NetworkOptions
     from petals.server.throughput import ThroughputInfo
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")

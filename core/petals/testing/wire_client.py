@@ -21,11 +21,11 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from petals.client.network import leave_swarm, stop_event_loop
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import RemoteModuleInfo
 from petals.dht import create_node, get_remote_module_infos
-from petals.networking import LOOPBACK_MADDRS, NetworkOptions
+from petals.network.client import leave_swarm, stop_event_loop
+from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
 from petals.wire import deserialize_tensors, pack_args_kwargs, serialize_tensor, write_metadata
 
 T = TypeVar("T")

@@ -16,9 +16,18 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
 from petals.dht import create_node
-from petals.networking import NetworkOptions
+from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
 
 T = TypeVar("T")
+
+# the ClientConfig fields an in-process client peer passes to stay on this machine: 127.0.0.1 only,
+# no NAT port mapping, AutoNAT or relays (what ``--loopback`` means for a client)
+LOOPBACK_CLIENT = {
+    "host_maddrs": list(LOOPBACK_MADDRS),
+    "nat_port_map": False,
+    "auto_nat": False,
+    "use_relay": False,
+}
 
 
 class SwarmUnreachableError(ConnectionError):
