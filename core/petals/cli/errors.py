@@ -56,16 +56,6 @@ def missing_package_message(package: str) -> str | None:
     return f"{option} needs the optional package {package}: pip install 'petals-core[{extra}]'"
 
 
-def require_optional(package: str) -> None:
-    """Fail before joining the swarm when an option's optional package cannot be imported."""
-    import importlib
-
-    try:
-        importlib.import_module(package)
-    except ImportError as error:
-        raise PetalsCliError(missing_package_message(package)) from error
-
-
 def _missing_package(error: BaseException) -> str:
     package = (getattr(error, "name", None) or "").split(".")[0]
     return missing_package_message(package) or f"{error}: install it, then run the command again"
