@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 EMPTY = torch.empty(0)
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+# one step's (hidden states, deep prompts or None, beam reorder ids or None)
+StepTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 # most steps send no prompts and no hypo_ids: their placeholders are serialized once
 EMPTY_PROTO, EMPTY_IDS_PROTO = serialize_tensor(EMPTY), serialize_tensor(EMPTY_IDS)
 ON_NETWORK_LOOP = "client: on network loop"  # the step's time on the loop thread (serialization, waits)
@@ -62,16 +64,16 @@ class _ServerSession:
 
     async def step(
         self,
-        hidden: torch.Tensor,
-        prompts: torch.Tensor | None,
-        hypo_ids: torch.Tensor | None,
+        tensors: StepTensors,
         step_id: str,
         next_servers: list[list[Any]] | None,
         trace: tracing.StepTrace | None = None,
         name: str = "server",
     ) -> torch.Tensor:
+        """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``."""
         started = time.perf_counter() if trace is not None else 0.0
-        request = self._request((hidden, prompts, hypo_ids), step_id, next_servers, trace is not None)
+        hidden = tensors[0]
+        request = self._request(tensors, step_id, next_servers, trace is not None)
         if trace is not None:
             started = trace.add_since("client: serialization", started)
         response = await self._exchange(request, tokens=hidden.shape[0] * hidden.shape[1])
@@ -86,7 +88,7 @@ class _ServerSession:
 
     def _request(
         self,
-        tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        tensors: StepTensors,
         step_id: str,
         next_servers: list[list[Any]] | None,
         traced: bool,
@@ -351,9 +353,7 @@ class InferenceSession:
                     step_prompts[session.span.start : session.span.end] if step_prompts is not None else None
                 )
                 output = await session.step(
-                    inputs,
-                    span_prompts,
-                    None if fresh else hypo_ids,
+                    (inputs, span_prompts, None if fresh else hypo_ids),
                     step_id,
                     None if fresh else self._next_servers(index),
                     trace,
