@@ -52,10 +52,14 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 
 
 def missing_from_session(session: pytest.Session) -> list[str]:
-    """What of the whole suite this session does not run: deselected tests and uncollected test files."""
+    """What of the whole suite this session does not run: tests picked by node id, deselected tests and
+    uncollected test files."""
+    picked = [arg for arg in session.config.args if "::" in arg]
     collected = {item.path for item in session.items}
     files = [*ROOT.glob("tests/test_*.py"), *ROOT.glob("plugins/*/tests/test_*.py")]
-    return DESELECTED + [str(path.relative_to(ROOT)) for path in sorted(files) if path not in collected]
+    return (
+        picked + DESELECTED + [str(path.relative_to(ROOT)) for path in sorted(files) if path not in collected]
+    )
 
 
 class LlamaFamilyPlugin:
