@@ -171,8 +171,9 @@ def convert_checkpoint_names(model_type: str, state_dict: dict[str, torch.Tensor
     """Rename (and fuse) one block's checkpoint tensors as transformers does when it loads the whole model.
 
     Applies transformers' checkpoint conversion mapping for ``model_type`` and its legacy renamings,
-    e.g. per-expert checkpoint tensors stacked into transformers 5's fused expert tensors. A family whose checkpoints need more registers a
-    mapping with ``transformers.conversion_mapping.register_checkpoint_conversion_mapping``.
+    e.g. per-expert checkpoint tensors stacked into transformers 5's fused expert tensors. A family
+    whose checkpoints need more registers a mapping with
+    ``transformers.conversion_mapping.register_checkpoint_conversion_mapping``.
     """
     transforms = [
         *(get_checkpoint_conversion_mapping(model_type) or []),
