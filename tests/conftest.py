@@ -18,9 +18,8 @@ from petals_llama.config import DistributedLlamaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_TEST = "test_every_hook_is_called_by_some_test"  # in test_hook_docs.py; needs every other test run first
-CALLED_HOOKS: set[str] = (
-    set()
-)  # hooks called in this process, on any plugin manager (the docs meta-test reads it)
+# hooks called in this process, on any plugin manager (the docs meta-test reads it)
+CALLED_HOOKS: set[str] = set()
 DESELECTED: list[str] = []
 
 
