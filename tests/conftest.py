@@ -1,13 +1,85 @@
-"""Shared fixtures: tiny random models of every family, saved in the Hugging Face layout."""
+"""Shared fixtures: tiny random models of every family, saved in the Hugging Face layout; throwaway
+plugins that serve a family alone; and the record of which hooks the suite called."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, LlamaConfig, MixtralConfig
+
+from petals import hookimpl
+from petals.plugins import PluginManager, using_plugin_manager
+from petals_llama.config import DistributedLlamaConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+LAST_TEST = "test_every_hook_is_called_by_some_test"  # in test_hook_docs.py; needs every other test run first
+# hooks called in this process, on any plugin manager (the docs meta-test reads it)
+CALLED_HOOKS: set[str] = set()
+DESELECTED: list[str] = []
+
+
+def _record_hook_calls(manager: PluginManager) -> None:
+    manager.add_hookcall_monitoring(
+        before=lambda hook_name, hook_impls, kwargs: CALLED_HOOKS.add(hook_name),
+        after=lambda outcome, hook_name, hook_impls, kwargs: None,
+    )
+
+
+_plain_init = PluginManager.__init__
+
+
+def _recording_init(self: PluginManager, *args, **kwargs) -> None:
+    _plain_init(self, *args, **kwargs)
+    _record_hook_calls(self)
+
+
+# every manager records, the process-wide one and those tests create; installed on import, before any exists
+PluginManager.__init__ = _recording_init
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.name == LAST_TEST)  # stable: everything else keeps its order
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    DESELECTED.extend(item.nodeid for item in items)
+
+
+def missing_from_session(session: pytest.Session) -> list[str]:
+    """What of the whole suite this session does not run: tests picked by node id, deselected tests and
+    uncollected test files."""
+    picked = [arg for arg in session.config.args if "::" in arg]
+    collected = {item.path for item in session.items}
+    files = [*ROOT.glob("tests/test_*.py"), *ROOT.glob("plugins/*/tests/test_*.py")]
+    return (
+        picked + DESELECTED + [str(path.relative_to(ROOT)) for path in sorted(files) if path not in collected]
+    )
+
+
+class LlamaFamilyPlugin:
+    """A throwaway plugin serving model type "llama" with ``config_class``; subclasses add the hook under
+    test and run with ``serving_only``."""
+
+    config_class: type = DistributedLlamaConfig
+
+    @hookimpl
+    def register_model_families(self, register):
+        register(self.config_class)
+
+
+@contextmanager
+def serving_only(plugin: object, name: str) -> Iterator[PluginManager]:
+    """Installed plugins left out: core's defaults and ``plugin`` alone serve every model type."""
+    manager = PluginManager()
+    manager.register(plugin, name=name)
+    with using_plugin_manager(manager):
+        yield manager
+
 
 TINY_CONFIGS = {
     "llama": LlamaConfig(

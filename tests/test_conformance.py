@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, tiny_config
-from petals import hookimpl
-from petals.plugins import get_plugin_manager
+from conftest import TINY_CONFIGS, LlamaFamilyPlugin, serving_only, tiny_config
 from petals.testing import check_family
+from petals_llama.block import LlamaBlock
+from petals_llama.config import DistributedLlamaConfig
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_CONFIGS))
@@ -16,25 +16,22 @@ def test_family_passes_conformance_kit(variant, tmp_path):
     assert max(report.max_abs_diff.values()) <= 1e-5
 
 
-class WrongPositionsBlockPlugin:
-    """A plugin whose block forgets the cached length when placing new tokens (a classic bug)."""
+class ForgetfulBlock(LlamaBlock):
+    """Forgets the cached length when placing new tokens (a classic bug)."""
 
-    @hookimpl
-    def block_class(self, config):
-        from petals_llama.block import LlamaBlock
+    def position_ids(self, hidden_states, cache):
+        return torch.arange(hidden_states.shape[1])[None]
 
-        class ForgetfulBlock(LlamaBlock):
-            def position_ids(self, hidden_states, cache):
-                return torch.arange(hidden_states.shape[1])[None]
 
-        return ForgetfulBlock if config.model_type == "llama" else None
+class ForgetfulLlamaConfig(DistributedLlamaConfig):
+    block_class = ForgetfulBlock
+
+
+class WrongPositionsFamily(LlamaFamilyPlugin):
+    config_class = ForgetfulLlamaConfig
 
 
 def test_kit_catches_a_block_that_ignores_cached_positions(tmp_path):
-    manager = get_plugin_manager()
-    manager.register(WrongPositionsBlockPlugin(), name="wrong-positions")
-    try:
+    with serving_only(WrongPositionsFamily(), name="wrong-positions"):
         with pytest.raises(AssertionError, match=r"step 1 \(1 tokens\): max \|logits diff\|"):
             check_family(tiny_config("llama"), tmp_path)
-    finally:
-        manager.unregister(name="wrong-positions")

@@ -12,12 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_config
+from conftest import LlamaFamilyPlugin, serving_only, tiny_config
 from petals import hookimpl
 from petals.block import allocate_cache
 from petals.convert import block_weight_bytes, estimate_block_weight_bytes, quantize_block
 from petals.loading import load_block
-from petals.plugins import get_plugin_manager
 
 MAX_RELATIVE_ERROR = {"int8": 0.03, "nf4": 0.25}
 MAX_MEMORY_RATIO = {"int8": 0.55, "nf4": 0.3}
@@ -82,20 +81,16 @@ def test_weight_estimate_used_for_planning_matches_measurement(wide_block, varia
     )
 
 
-class KeepAttentionInFullPrecision:
-    """A plugin may keep sensitive submodules unquantized by answering quantize_module with them."""
+class KeepAttentionInFullPrecision(LlamaFamilyPlugin):
+    """A family may keep sensitive submodules unquantized by answering quantize_module with them."""
 
     @hookimpl
-    def quantize_module(self, config, module, quantize_linear):
+    def quantize_module(self, module):
         return module if type(module).__name__ == "LlamaAttention" else None
 
 
 def test_quantize_module_hook_decides_for_whole_submodules(tiny_model_path):
-    manager = get_plugin_manager()
-    manager.register(KeepAttentionInFullPrecision(), name="keep-attention")
-    try:
+    with serving_only(KeepAttentionInFullPrecision(), name="keep-attention"):
         block = quantize_block(load_block(tiny_model_path("llama"), 0, torch.float32), "int8")
-    finally:
-        manager.unregister(name="keep-attention")
     assert type(block.self_attn.q_proj) is torch.nn.Linear
     assert type(block.mlp.up_proj).__name__ == "Linear8bitLt"

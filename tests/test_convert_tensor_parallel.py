@@ -58,9 +58,9 @@ def test_sharding_plans_come_from_the_family_plugins(tmp_path):
     for variant in TINY_CONFIGS:
         TINY_CONFIGS[variant].save_pretrained(tmp_path / variant)
         config = AutoDistributedConfig.from_pretrained(tmp_path / variant)
-        assert isinstance(manager.hook.tensor_parallel_config(config=config, world_size=2), tp.Config), (
-            variant
-        )
+        assert isinstance(
+            manager.family_hooks(config).tensor_parallel_config(config=config, world_size=2), tp.Config
+        ), variant
 
 
 @pytest.mark.parametrize("variant", ["llama", "bloom"])

@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from petals import hookimpl
 from petals.auto import AutoDistributedConfig
 from petals.block import allocate_cache, kv_cache_layout
 from petals.kv_cache import BlockCache, CacheOverflowError, KVCacheLayout
-from petals.plugins import get_plugin_manager
+from petals_llama.config import DistributedLlamaConfig
 
 
 @pytest.mark.parametrize(
@@ -59,25 +58,16 @@ def test_rewind_and_reorder_validate_their_arguments():
     assert cache.position == 1
 
 
-class WiderCachePlugin:
-    """A family whose layer caches more than its config says (e.g. extra positional heads)."""
+class WiderCacheLlamaConfig(DistributedLlamaConfig):
+    """A family whose layers keep a key/value head per query head, whatever the HF config's KV heads say."""
 
-    @hookimpl
-    def kv_cache_layout(self, config):
-        return (
-            KVCacheLayout(num_kv_heads=4, head_dim=16, num_query_heads=4)
-            if config.model_type == "llama"
-            else None
-        )
+    num_key_value_groups = 1
 
 
-def test_kv_cache_layout_hook_decides_what_servers_allocate(tmp_path):
+def test_config_kv_attributes_decide_what_servers_allocate(tmp_path):
     tiny_config("llama").save_pretrained(tmp_path)
     config = AutoDistributedConfig.from_pretrained(tmp_path)
     assert kv_cache_layout(config).num_kv_heads == 2
-    manager = get_plugin_manager()
-    manager.register(WiderCachePlugin(), name="wider-cache")
-    try:
-        assert allocate_cache(config, 1, 8).nbytes == 8 * 2 * 4 * 16 * 4
-    finally:
-        manager.unregister(name="wider-cache")
+    wider = WiderCacheLlamaConfig.from_pretrained(tmp_path, dht_prefix="wider")
+    assert kv_cache_layout(wider) == KVCacheLayout(num_kv_heads=4, head_dim=16, num_query_heads=4)
+    assert allocate_cache(wider, 1, 8).nbytes == 8 * 2 * 4 * 16 * 4

@@ -7,14 +7,13 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 
 import petals.loading
 from conftest import install_in_hf_cache, tiny_config
-from petals import hookimpl
 from petals.auto import AutoDistributedConfig
 from petals.loading import Checkpoint, CheckpointError, load_block
-from petals.plugins import get_plugin_manager
 
 
 def reference_layer_state(path, variant, index):
@@ -107,27 +106,29 @@ def test_missing_checkpoint_and_bad_block_index(tiny_model_path, tmp_path):
         load_block(tiny_model_path("llama"), 4)
 
 
-class RenamedCheckpointPlugin:
-    """Reads checkpoints whose MLP tensors carry an older name ("ffn." instead of "mlp.")."""
+@pytest.fixture
+def scratch_conversion_mappings(monkeypatch):
+    """transformers' table of checkpoint conversions, restored after the test."""
+    conversion_mapping.get_checkpoint_conversion_mapping("legacy")  # builds the table
+    monkeypatch.setattr(
+        conversion_mapping,
+        "_checkpoint_conversion_mapping_cache",
+        dict(conversion_mapping._checkpoint_conversion_mapping_cache),
+    )
+    monkeypatch.setattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", set())
 
-    @hookimpl
-    def convert_block_state_dict(self, config, state_dict):
-        if config.model_type != "llama":
-            return None
-        return {key.replace("ffn.", "mlp."): tensor for key, tensor in state_dict.items()}
 
-
-def test_convert_block_state_dict_hook_renames_checkpoint_tensors(tiny_model_path, tmp_path):
+def test_checkpoint_names_follow_transformers_conversion_for_the_model_type(
+    tiny_model_path, tmp_path, scratch_conversion_mappings
+):
+    """Checkpoints whose MLP tensors carry an older name ("ffn." instead of "mlp.") load once the
+    renaming is registered with transformers, as transformers itself would then load them."""
     source = tiny_model_path("llama")
     tensors = load_file(source / "model.safetensors")
     save_file({k.replace(".mlp.", ".ffn."): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((source / "config.json").read_text())
     with pytest.raises(RuntimeError, match="Missing key"):
         load_block(tmp_path, 0)
-    manager = get_plugin_manager()
-    manager.register(RenamedCheckpointPlugin(), name="renamed-checkpoint")
-    try:
-        block = load_block(tmp_path, 0)
-    finally:
-        manager.unregister(name="renamed-checkpoint")
+    conversion_mapping.register_checkpoint_conversion_mapping("llama", [WeightRenaming(".ffn.", ".mlp.")])
+    block = load_block(tmp_path, 0)
     assert torch.equal(block.mlp.up_proj.weight, tensors["model.layers.0.mlp.up_proj.weight"])

@@ -40,8 +40,11 @@ def test_petals_plugins_lists_installed_families_with_versions():
         if not line.startswith("\t")
     }
     assert all("register_model_families" in names for names in hooks.values())
-    assert all("dht_prefix" in hooks[name] for name in FAMILIES)
-    assert "convert_block_state_dict" in hooks["mixtral"]
+    assert all(
+        "dht_prefix" in hooks[name] for name in ("bloom", "llama", "mixtral")
+    )  # Falcon's is the default
+    assert "quantize_module" in hooks["mixtral"]
+    assert "template\tpetals-template 0.1.0\tmodel types: petals_template" in result.stdout
 
 
 def test_no_plugins_gives_a_clear_error(tmp_path):
@@ -71,7 +74,7 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, falcon, mistral, mixtral"
+        "model type 'llama' has no installed plugin; installed: bloom, falcon, mixtral, petals_template"
         in failed.stderr
     )
 
@@ -88,8 +91,8 @@ class TinyTestPlugin:
         register(TinyTestConfig)
 
     @hookimpl
-    def dht_prefix(self, model_id, config):
-        return f"tiny-{model_id}" if isinstance(config, TinyTestConfig) else None
+    def dht_prefix(self, model_id):
+        return f"tiny-{model_id}"
 
 
 def test_in_test_plugin_for_a_new_model_type_is_dispatched(tmp_path):
@@ -109,6 +112,40 @@ def test_in_test_plugin_for_a_new_model_type_is_dispatched(tmp_path):
         loaded = AutoDistributedConfig.from_pretrained(tmp_path / "model")
     assert type(loaded) is TinyTestConfig
     assert loaded.dht_prefix == "tiny-model"
+
+
+class OtherTestConfig(TinyTestConfig):
+    model_type = "other-test"
+
+
+class OtherTestPlugin:
+    """Answers every family hook it implements, checking nothing: core must ask it for its own family only."""
+
+    @hookimpl
+    def register_model_families(self, register):
+        register(OtherTestConfig)
+
+    @hookimpl
+    def dht_prefix(self, model_id):
+        return f"other-{model_id}"
+
+    @hookimpl
+    def tensor_parallel_config(self):
+        return "other-plan"
+
+
+def test_each_family_gets_its_own_plugins_answers(tmp_path):
+    manager = PluginManager()
+    manager.register(TinyTestPlugin(), name="tiny-test-plugin")
+    manager.register(
+        OtherTestPlugin(), name="other-test-plugin"
+    )  # registered last: pluggy would ask it first
+    tiny, other = TinyTestConfig(), OtherTestConfig()
+    assert manager.family_hooks(tiny).dht_prefix(model_id="m", config=tiny) == "tiny-m"
+    assert manager.family_hooks(other).dht_prefix(model_id="m", config=other) == "other-m"
+    assert manager.family_hooks(tiny).tensor_parallel_config(config=tiny, world_size=2) is None
+    assert manager.family_hooks(other).tensor_parallel_config(config=other, world_size=2) == "other-plan"
+    assert manager.family_hooks(None).dht_prefix(model_id="org/m.1", config=None) == "m-1"  # core's default
 
 
 def test_two_plugins_claiming_one_model_type_is_an_error_naming_both():

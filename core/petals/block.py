@@ -2,8 +2,8 @@
 
 A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer; it is built as
 ``XBlock(config, block_index)``, always with HF ``layer_idx=0`` so that it reads and writes the
-single layer of its cache (per-layer settings such as a layer's attention type are taken from
-``block_index`` in ``prepare_config``). Its ``forward(hidden_states, cache=None)`` takes a
+single layer of its cache (``prepare_config`` narrows per-layer settings such as ``layer_types``
+to the block's own layer). Its ``forward(hidden_states, cache=None)`` takes a
 ``PagedCache`` (one session's ``BlockCache`` or several sessions' merged), derives each row's
 positions and padding from it, and calls the HF layer with exactly the arguments the full HF model
 would pass for a left-padded batch.
@@ -19,7 +19,6 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
-from petals.plugins import get_plugin_manager
 
 
 class ServerBlockMixin:
@@ -44,8 +43,11 @@ class ServerBlockMixin:
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
         """A copy of ``config`` for block ``block_index``, with the attention (and experts)
-        implementation the full model would use. Override to pick per-layer settings."""
+        implementation the full model would use and, where the config lists one type per layer
+        (``layer_types``), only this block's type: it runs as layer 0 of its own cache."""
         config = copy.deepcopy(config)
+        if getattr(config, "layer_types", None):
+            config.layer_types = [config.layer_types[block_index]]
         if getattr(config, "_attn_implementation", None) is None:
             config._attn_implementation = cls.attn_implementation
         if cls.experts_implementation and getattr(config, "_experts_implementation", None) is None:
@@ -111,17 +113,20 @@ class RotaryBlockMixin(ServerBlockMixin):
         )
 
 
-def block_class(config: PretrainedConfig) -> type[torch.nn.Module]:
-    return get_plugin_manager().hook.block_class(config=config)
-
-
 def kv_cache_layout(config: PretrainedConfig) -> KVCacheLayout:
-    return get_plugin_manager().hook.kv_cache_layout(config=config)
+    """How many key/value heads of which size one block caches per token, from the config's attributes:
+    ``num_attention_heads``, ``num_key_value_groups`` (query heads per key/value head) and ``head_dim``
+    (or ``hidden_size // num_attention_heads``)."""
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return KVCacheLayout(
+        num_kv_heads=num_heads // config.num_key_value_groups, head_dim=head_dim, num_query_heads=num_heads
+    )
 
 
 def make_block(config: PretrainedConfig, block_index: int = 0) -> torch.nn.Module:
     """Block ``block_index`` with fresh weights (wrap in ``torch.device("meta")`` to skip allocation)."""
-    return block_class(config)(config, block_index)
+    return config.block_class(config, block_index)
 
 
 def allocate_cache(

@@ -103,8 +103,10 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
         if config.dht_prefix is None:
             from petals.plugins import get_plugin_manager
 
-            config.dht_prefix = get_plugin_manager().hook.dht_prefix(
-                model_id=model_id(model_name_or_path), config=config
+            config.dht_prefix = (
+                get_plugin_manager()
+                .family_hooks(config)
+                .dht_prefix(model_id=model_id(model_name_or_path), config=config)
             )
         validate_dht_prefix(config.dht_prefix)
         return config

@@ -3,7 +3,14 @@
 A model-family plugin is a module registered under the ``petals`` entry-point group that
 implements some of these hooks with ``@petals.hookimpl``. Core registers its own defaults
 (``petals.default_hooks``) through the very same hooks, marked ``trylast`` so that any family
-answering a hook wins over them.
+answering a hook wins over them. Every hook but ``register_model_families`` is called only on the
+plugin that registered the config's model type (and core's defaults), so an implementation answers
+for its own families and needs no check of which config it got.
+
+What a family declares on its config class instead of through hooks: ``block_class`` (the block),
+``num_key_value_groups`` and ``head_dim``/``hidden_size`` (the KV cache layout, see
+``petals.block.kv_cache_layout``); checkpoint key conversion is transformers' own mapping for the
+model type (``transformers.conversion_mapping``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from petals.kv_cache import KVCacheLayout
 
 hookspec = pluggy.HookspecMarker("petals")
 hookimpl = pluggy.HookimplMarker("petals")
@@ -34,46 +40,12 @@ def register_model_families(register: Callable[[type], None]) -> None:
 
 
 @hookspec(firstresult=True)
-def block_class(config: PretrainedConfig) -> type[torch.nn.Module] | None:
-    """Return the server-side block class for ``config``, or None if this plugin does not serve it.
-
-    A block is one decoder layer that runs standalone: ``block(hidden_states [B, T, H],
-    cache: petals.kv_cache.PagedCache | None) -> hidden_states``. The cache may hold rows of
-    several sessions at different positions (left-padded): the block takes each row's positions
-    and padding from ``cache.position_ids`` / ``cache.attention_mask`` (``ServerBlockMixin`` does)
-    and computes exactly what the Hugging Face layer computes inside the full model.
-    Core's default returns ``config.block_class``.
-    """
-
-
-@hookspec(firstresult=True)
-def kv_cache_layout(config: PretrainedConfig) -> KVCacheLayout | None:
-    """Return how many key/value heads of which size one block caches per token.
-
-    The server budgets its cache memory with ``layout.bytes_per_token(dtype)``, so this must equal
-    what the block really stores (GQA and multi-query count). Core's default derives it from
-    ``num_attention_heads``, ``num_key_value_groups`` and ``head_dim``/``hidden_size``.
-    """
-
-
-@hookspec(firstresult=True)
 def dht_prefix(model_id: str, config: PretrainedConfig) -> str | None:
-    """Return the DHT key prefix for a model, or None to leave it to other plugins.
+    """Return the DHT key prefix for a model (None: core's default).
 
     ``model_id`` is a Hugging Face repo id (``org/name``) or, for a local directory, the folder
     name. Families reproduce the original Petals rules byte for byte so that mixed swarms meet on
     the same keys. Core's default: the last path part with ``.`` replaced by ``-``.
-    """
-
-
-@hookspec(firstresult=True)
-def convert_block_state_dict(
-    config: PretrainedConfig, state_dict: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor] | None:
-    """Convert one block's checkpoint tensors (prefix already stripped) to the block's own names.
-
-    Needed where the on-disk layout differs from the in-memory module (e.g. per-expert
-    weights on disk versus transformers 5's fused experts in memory). Core's default returns ``state_dict`` unchanged.
     """
 
 
@@ -104,8 +76,8 @@ def tensor_parallel_config(config: PretrainedConfig, world_size: int) -> Any | N
     or all key/value heads where there is a single shared one), split MLPs (and experts) by
     columns then rows, and sum the row-parallel outputs with ``output_rules``; ``attr_rules`` fix
     per-shard head counts where the layer reads them. It must not touch KV caches: each shard is
-    called with its own ``BlockCache``. Return None for configs this plugin does not serve; core
-    has no default and reports that the family does not support tensor parallelism.
+    called with its own ``BlockCache``. Core has no default: a family that does not implement it
+    is reported as not supporting tensor parallelism.
     """
 
 

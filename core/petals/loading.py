@@ -8,6 +8,7 @@ shards holding the block; tensors are read one by one with ``safetensors``. Pick
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -20,16 +21,24 @@ from huggingface_hub.constants import HF_HUB_CACHE
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from safetensors import safe_open
 from transformers import PretrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from petals.block import make_block
 from petals.disk_cache import cache_lock, make_room, mark_used
-from petals.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_FILES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+# transformers' conversion patterns match whole-model names (".experts.*.w1.weight"): block keys get a parent
+_BLOCK_PARENT = "block."
 
 
 class CheckpointError(FileNotFoundError):
@@ -152,10 +161,41 @@ def _cached_repo_exists(repo_id: str, hub_kwargs: dict) -> bool:
 def read_block_state_dict(
     checkpoint: Checkpoint, config: PretrainedConfig, block_index: int
 ) -> dict[str, torch.Tensor]:
-    """One block's tensors, named as the block's own module expects (conversion hooks applied)."""
+    """One block's tensors, named as the block's own module expects."""
     prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
     state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys).items()}
-    return get_plugin_manager().hook.convert_block_state_dict(config=config, state_dict=state_dict)
+    return convert_checkpoint_names(config.model_type, state_dict)
+
+
+def convert_checkpoint_names(model_type: str, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) one block's checkpoint tensors as transformers does when it loads the whole model.
+
+    Applies transformers' checkpoint conversion mapping for ``model_type`` and its legacy renamings,
+    e.g. per-expert checkpoint tensors stacked into transformers 5's fused expert tensors. A family
+    whose checkpoints need more registers a mapping with
+    ``transformers.conversion_mapping.register_checkpoint_conversion_mapping``.
+    """
+    transforms = [
+        *(get_checkpoint_conversion_mapping(model_type) or []),
+        *get_checkpoint_conversion_mapping("legacy"),
+    ]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    converted: dict[str, torch.Tensor] = {}
+    fused: dict[str, WeightConverter] = {}  # one converter per target tensor, collecting its sources in order
+    for key in sorted(state_dict, key=dot_natural_key):  # experts 0, 1, ..., 10 rather than 0, 1, 10
+        name, pattern = rename_source_key(_BLOCK_PARENT + key, renamings, converters)
+        if pattern is None:
+            converted[name] = state_dict[key]
+        else:
+            fused.setdefault(name, copy.deepcopy(converter_of[pattern])).add_tensor(
+                name, key, pattern, state_dict[key]
+            )
+    for name, converter in fused.items():
+        for target, tensor in converter.convert(name).items():
+            converted[target] = tensor[0] if isinstance(tensor, list) else tensor
+    return {name.removeprefix(_BLOCK_PARENT): tensor for name, tensor in converted.items()}
 
 
 def load_block(

@@ -11,6 +11,7 @@ A plugin that fails to import is reported with its name and error and does not s
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
@@ -18,10 +19,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from petals import default_hooks, hookspecs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +99,11 @@ class PluginManager(pluggy.PluginManager):
     def model_families(self) -> dict[str, ModelFamily]:
         """Every registered model type, each with the one plugin that serves it."""
         families: dict[str, ModelFamily] = {}
-        for impl in self.hook.register_model_families.get_hookimpls():  # in registration order
-
-            def register(config_class: type, plugin: str = impl.plugin_name) -> None:
-                model_type = getattr(config_class, "model_type", "")
-                if not model_type:
-                    raise PluginError(f"plugin {plugin!r} registered {config_class!r} without a model_type")
-                if model_type in families and families[model_type].plugin != plugin:
-                    raise DuplicateModelTypeError(
-                        f"model type {model_type!r} is claimed by two plugins: "
-                        f"{families[model_type].plugin!r} and {plugin!r}; uninstall one of them "
-                        f"or disable one with {BLOCK_ENV}={plugin}"
-                    )
-                families[model_type] = ModelFamily(model_type, config_class, plugin)
-
-            impl.function(**{name: register for name in impl.argnames})
+        plugins = self.list_name_plugin()  # in registration order
+        for name, plugin in plugins:  # one call per plugin, so that each registration is known by its plugin
+            others = [other for _, other in plugins if other is not plugin]
+            register = functools.partial(_register_family, families, name)
+            self.subset_hook_caller("register_model_families", remove_plugins=others)(register=register)
         return families
 
     def family(self, model_type: str) -> ModelFamily:
@@ -124,12 +119,47 @@ class PluginManager(pluggy.PluginManager):
             f"'petals'; `petals plugins` lists what is installed) or write one (see plugins/README.md)."
         )
 
+    def family_hooks(self, config: PretrainedConfig | None) -> FamilyHooks:
+        """The hooks of the plugin that registered ``config.model_type``, plus core's defaults.
+
+        Core calls every per-family hook through this, so a plugin answers only for the model types
+        it registered and never for another family. ``None`` (no config) leaves core's defaults alone.
+        """
+        serving = {DEFAULT_HOOKS_NAME}
+        if config is not None:
+            serving.add(self.family(config.model_type).plugin)
+        return FamilyHooks(self, [plugin for name, plugin in self.list_name_plugin() if name not in serving])
+
     def plugin_names(self) -> list[str]:
         return sorted(name for name, _ in self.list_name_plugin() if name != DEFAULT_HOOKS_NAME)
 
     def hooks_of(self, name: str) -> list[str]:
         plugin = self.get_plugin(name)
         return sorted(caller.name for caller in self.get_hookcallers(plugin) or ())
+
+
+class FamilyHooks:
+    """``hooks.<name>(...)`` calls hook ``name`` on one family's plugin and core's defaults only."""
+
+    def __init__(self, manager: PluginManager, other_plugins: list[object]) -> None:
+        self._manager = manager
+        self._other_plugins = other_plugins
+
+    def __getattr__(self, name: str) -> pluggy.HookCaller:
+        return self._manager.subset_hook_caller(name, remove_plugins=self._other_plugins)
+
+
+def _register_family(families: dict[str, ModelFamily], plugin: str, config_class: type) -> None:
+    model_type = getattr(config_class, "model_type", "")
+    if not model_type:
+        raise PluginError(f"plugin {plugin!r} registered {config_class!r} without a model_type")
+    if model_type in families and families[model_type].plugin != plugin:
+        raise DuplicateModelTypeError(
+            f"model type {model_type!r} is claimed by two plugins: "
+            f"{families[model_type].plugin!r} and {plugin!r}; uninstall one of them "
+            f"or disable one with {BLOCK_ENV}={plugin}"
+        )
+    families[model_type] = ModelFamily(model_type, config_class, plugin)
 
 
 def _ep_name(entry_point: importlib.metadata.EntryPoint) -> str:

@@ -10,16 +10,12 @@ def register_model_families(register) -> None:
 
 
 @hookimpl
-def dht_prefix(model_id: str, config) -> str | None:
-    if not isinstance(config, DistributedBloomConfig):
-        return None
+def dht_prefix(model_id: str) -> str:
     return f"{model_id}-petals".replace(".", "-")
 
 
 @hookimpl
 def tensor_parallel_config(config, world_size: int):
-    if not isinstance(config, DistributedBloomConfig):
-        return None
     from petals_bloom.tensor_parallel import tensor_parallel_config
 
     return tensor_parallel_config(config, world_size)

@@ -1,4 +1,5 @@
-"""Entry point of the Falcon plugin: registration and the Petals dht_prefix rule."""
+"""Entry point of the Falcon plugin: registration and tensor-parallel sharding (Petals' Falcon
+dht_prefix rule, the last path part with "." replaced by "-", is core's default)."""
 
 from petals import hookimpl
 from petals_falcon.config import DistributedFalconConfig
@@ -10,16 +11,7 @@ def register_model_families(register) -> None:
 
 
 @hookimpl
-def dht_prefix(model_id: str, config) -> str | None:
-    if not isinstance(config, DistributedFalconConfig):
-        return None
-    return model_id.rsplit("/", 1)[-1].replace(".", "-")
-
-
-@hookimpl
 def tensor_parallel_config(config, world_size: int):
-    if not isinstance(config, DistributedFalconConfig):
-        return None
     from petals_falcon.tensor_parallel import tensor_parallel_config
 
     return tensor_parallel_config(config, world_size)

@@ -10,17 +10,13 @@ def register_model_families(register) -> None:
 
 
 @hookimpl
-def dht_prefix(model_id: str, config) -> str | None:
-    if not isinstance(config, DistributedLlamaConfig):
-        return None
+def dht_prefix(model_id: str) -> str:
     prefix = model_id.rsplit("/", 1)[-1].replace(".", "-")
     return prefix if prefix.endswith("-hf") else f"{prefix}-hf"
 
 
 @hookimpl
 def tensor_parallel_config(config, world_size: int):
-    if not isinstance(config, DistributedLlamaConfig):
-        return None
     from petals_llama.tensor_parallel import tensor_parallel_config
 
     return tensor_parallel_config(config, world_size)

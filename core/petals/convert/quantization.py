@@ -11,6 +11,7 @@ only when a block is quantized, never by ``import petals``.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import torch
@@ -39,21 +40,27 @@ def quantize_block(
     quant_type = QuantType(quant_type)
     if quant_type is not QuantType.NONE:
         quantize_linear = _linear_quantizer(quant_type, compute_dtype)
-        _replace_modules(block, getattr(block, "config", None), quantize_linear)
+        config = getattr(block, "config", None)
+        offer = functools.partial(
+            get_plugin_manager().family_hooks(config).quantize_module,
+            config=config,
+            quantize_linear=quantize_linear,
+        )
+        _replace_modules(block, offer, quantize_linear)
     return block.to(device)
 
 
-def _replace_modules(module: nn.Module, config, quantize_linear: Callable[[nn.Linear], nn.Module]) -> None:
-    hook = get_plugin_manager().hook.quantize_module
+def _replace_modules(
+    module: nn.Module,
+    offer: Callable[..., nn.Module | None],  # the family's quantize_module hook, called with module=
+    quantize_linear: Callable[[nn.Linear], nn.Module],
+) -> None:
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            replacement = quantize_linear(child)
-        else:
-            replacement = hook(config=config, module=child, quantize_linear=quantize_linear)
+        replacement = quantize_linear(child) if isinstance(child, nn.Linear) else offer(module=child)
         if replacement is not None:
             setattr(module, name, replacement)
         else:
-            _replace_modules(child, config, quantize_linear)
+            _replace_modules(child, offer, quantize_linear)
 
 
 def _linear_quantizer(quant_type: QuantType, compute_dtype: torch.dtype) -> Callable[[nn.Linear], nn.Module]:

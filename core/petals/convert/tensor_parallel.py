@@ -77,7 +77,11 @@ class TensorParallelBlock(nn.Module):
 
         self.devices = [torch.device(device) for device in devices]
         self.shard_layout = shard_cache_layout(kv_cache_layout(config), len(self.devices))
-        plan = get_plugin_manager().hook.tensor_parallel_config(config=config, world_size=len(self.devices))
+        plan = (
+            get_plugin_manager()
+            .family_hooks(config)
+            .tensor_parallel_config(config=config, world_size=len(self.devices))
+        )
         if plan is None:
             raise NotImplementedError(
                 f"model type {config.model_type!r}: its plugin gives no tensor-parallel plan "

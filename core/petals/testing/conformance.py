@@ -72,7 +72,7 @@ def check_prefix_rules(examples: Mapping[str, str], config: PretrainedConfig) ->
     """Check the ``dht_prefix`` hook against ``{model name: expected prefix}`` examples."""
     family = get_plugin_manager().family(config.model_type)
     distributed = family.config_class.from_dict(config.to_dict())
-    hook = get_plugin_manager().hook.dht_prefix
+    hook = get_plugin_manager().family_hooks(distributed).dht_prefix
     for model_id, expected in examples.items():
         got = hook(model_id=model_id, config=distributed)
         assert got == expected, f"dht_prefix({model_id!r}) = {got!r}, expected {expected!r}"
@@ -98,7 +98,9 @@ def check_family(
     path = Path(workdir) / folder_name
     reference = _save_random_model(config, path, schedule.seed)
     distributed = AutoDistributedConfig.from_pretrained(path)
-    expected_prefix = get_plugin_manager().hook.dht_prefix(model_id=folder_name, config=distributed)
+    expected_prefix = (
+        get_plugin_manager().family_hooks(distributed).dht_prefix(model_id=folder_name, config=distributed)
+    )
     assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
     assert distributed.dht_prefix == validate_dht_prefix(expected_prefix)
     assert (

@@ -1,13 +1,13 @@
-"""The template plugin installs, registers, and passes the conformance kit."""
+"""The template plugin installs, registers its made-up model type, and passes the conformance kit."""
 
-from transformers import MistralConfig
-
+import petals_template.block  # noqa: F401  registers the made-up model with transformers' auto classes
 from petals.plugins import get_plugin_manager
 from petals.testing import check_family, check_prefix_rules
+from petals_template.config import TemplateConfig
 
 
-def tiny_mistral() -> MistralConfig:
-    return MistralConfig(
+def tiny_template() -> TemplateConfig:
+    return TemplateConfig(
         hidden_size=64,
         num_hidden_layers=4,
         num_attention_heads=4,
@@ -18,13 +18,15 @@ def tiny_mistral() -> MistralConfig:
     )
 
 
-def test_template_is_installed_as_a_plugin():
-    assert get_plugin_manager().family("mistral").plugin == "template"
+def test_template_is_installed_as_a_plugin_of_a_made_up_model_type():
+    families = get_plugin_manager().model_families()
+    assert families["petals_template"].plugin == "template"
+    assert "mistral" not in families  # the template must not claim a real model's type
 
 
 def test_template_conforms(tmp_path):
-    check_family(tiny_mistral(), tmp_path)
+    check_family(tiny_template(), tmp_path)
 
 
 def test_template_prefix_rule_is_core_default():
-    check_prefix_rules({"mistralai/Mistral-7B-v0.1": "Mistral-7B-v0-1"}, tiny_mistral())
+    check_prefix_rules({"example-org/Template-7B-v0.1": "Template-7B-v0-1"}, tiny_template())
