@@ -178,18 +178,32 @@ class _ServerSession:
             self.position = self._start_from = position
 
     async def close(self) -> None:
-        """End the stream politely (an empty request), without waiting long for a dead server."""
+        """End the stream politely (an empty request) without waiting for the server's end of it.
+
+        The server frees the session's cache when it reads the end of the stream; waiting for its
+        answer would cost the caller a round trip per generation, so the answer is drained in the
+        background (for at most a second: a dead server never answers).
+        """
         if self._responses is None:
             return
         self._requests.put_nowait(runtime_pb2.ExpertRequest())
         self._requests.put_nowait(None)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(_drain(self._responses), 1.0)
-        self._responses = None
+        responses, self._responses = self._responses, None
+        task = asyncio.ensure_future(_drain_briefly(responses))
+        _DRAINING.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_DRAINING.discard)
 
 
 async def _close_all(sessions: list[_ServerSession]) -> None:
     await asyncio.gather(*(session.close() for session in sessions))
+
+
+_DRAINING: set[asyncio.Task] = set()
+
+
+async def _drain_briefly(responses: AsyncIterator) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(_drain(responses), 1.0)
 
 
 async def _drain(responses: AsyncIterator) -> None:
