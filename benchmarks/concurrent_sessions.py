@@ -171,8 +171,8 @@ def admission(ctx: Context) -> dict:
 
 
 def concurrent_sessions(ctx: Context) -> Result:
+    tiny = throughput(ctx, "tiny-llama")  # first: the swarm latency_tiny_llama left running
     measured = throughput(ctx, "smollm2")
-    tiny = throughput(ctx, "tiny-llama")
     admitted = admission(ctx)
     return Result(
         item="f",
