@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import torch
 
 from benchmarks.harness import Check, Context, Result, main
@@ -105,6 +106,20 @@ def merged_sizes(client, servers) -> collections.Counter:
     return sizes
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and their children (p2p daemons) so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            for member in [process, *process.children(recursive=True)]:
+                times = member.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def throughput(ctx: Context, model: str) -> dict:
     from petals.testing.wire_client import WireClient
 
@@ -114,16 +129,26 @@ def throughput(ctx: Context, model: str) -> dict:
     wire = WireClient(swarm.initial_peers)
     try:
         single, aggregate, merged = [], [], collections.Counter()
+        groups = {
+            "clients": [process.pid for process in clients.processes],
+            "servers": [server.pid for server in swarm.servers],
+        }
+        cpu = collections.Counter()
         for _ in range(repeats):
             single.append(tokens_per_second(clients.generate([0])))
             before = merged_sizes(wire, swarm.servers)
+            cpu_before = {name: cpu_seconds(pids) for name, pids in groups.items()}
             aggregate.append(tokens_per_second(clients.generate(list(range(sessions)))))
+            cpu.update({name: cpu_seconds(pids) - cpu_before[name] for name, pids in groups.items()})
             merged += merged_sizes(wire, swarm.servers) - before
     finally:
         wire.close()
         clients.close()
     forwards = sum(merged.values())
+    tokens = repeats * sessions * new_tokens
     return {
+        # where the machine's CPU went while all sessions ran: ms per generated token, with p2pds
+        "cpu_ms_per_token": {name: 1000 * seconds / tokens for name, seconds in cpu.items()},
         "new_tokens": new_tokens,
         "sessions": sessions,
         "tokens_per_second": {"1 session": rates(single), f"{sessions} sessions": rates(aggregate)},
