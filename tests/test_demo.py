@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import psutil
@@ -92,6 +93,13 @@ def test_demo_keep_starts_the_monitor_and_stops_everything_on_ctrl_c(demo_cache)
         assert [model["state"] for model in state["model_reports"]] == ["healthy"]
         assert len(state["model_reports"][0]["server_rows"]) == 3
         assert any("petals generate" in line for line in demo.stdout_lines)
-        assert demo.stop(timeout=60) == 0, demo.log
+        stopped = time.monotonic()
+        returncode = demo.stop(timeout=60)
+        still_running = [child.cmdline() for child in children if child.is_running()]
+        assert returncode == 0, (
+            f"exit {returncode} {time.monotonic() - stopped:.0f} s after Ctrl-C; still running: {still_running}\n"
+            + "".join(demo.stdout_lines[-15:])
+            + demo.log
+        )
     assert "Done." in "".join(demo.stdout_lines)
     assert [child.pid for child in children if child.is_running()] == []
