@@ -80,26 +80,33 @@ def test_demo_keep_starts_the_monitor_and_stops_everything_on_ctrl_c(demo_cache)
         "petals demo --keep",
         ["petals.cli", "demo", "--keep", "--cache_dir", str(demo_cache), "--max_new_tokens", "2"],
     )
-    with demo:
-        line = demo.wait_for(
-            lambda: next((line for line in demo.stdout_lines if "Watch it at" in line), None),
-            600,
-            "the monitor",
-        )
-        children = psutil.Process(demo.pid).children(recursive=True)  # bootstrap, servers, monitor, daemons
-        url = re.search(r"(http://\S+/)", line).group(1)
-        with urllib.request.urlopen(url + "api/v1/state", timeout=30) as response:
-            state = json.load(response)
-        assert [model["state"] for model in state["model_reports"]] == ["healthy"]
-        assert len(state["model_reports"][0]["server_rows"]) == 3
-        assert any("petals generate" in line for line in demo.stdout_lines)
-        stopped = time.monotonic()
-        returncode = demo.stop(timeout=60)
-        still_running = [child.cmdline() for child in children if child.is_running()]
-        assert returncode == 0, (
-            f"exit {returncode} {time.monotonic() - stopped:.0f} s after Ctrl-C; still running: {still_running}\n"
-            + "".join(demo.stdout_lines[-15:])
-            + demo.log
-        )
-    assert "Done." in "".join(demo.stdout_lines)
-    assert [child.pid for child in children if child.is_running()] == []
+    children: list[psutil.Process] = []
+    try:
+        with demo:
+            line = demo.wait_for(
+                lambda: next((line for line in demo.stdout_lines if "Watch it at" in line), None),
+                600,
+                "the monitor",
+            )
+            children = psutil.Process(demo.pid).children(
+                recursive=True
+            )  # bootstrap, servers, monitor, daemons
+            url = re.search(r"(http://\S+/)", line).group(1)
+            with urllib.request.urlopen(url + "api/v1/state", timeout=30) as response:
+                state = json.load(response)
+            assert [model["state"] for model in state["model_reports"]] == ["healthy"]
+            assert len(state["model_reports"][0]["server_rows"]) == 3
+            assert any("petals generate" in line for line in demo.stdout_lines)
+            stopped = time.monotonic()
+            returncode = demo.stop(timeout=60)
+            still_running = [child.cmdline() for child in children if child.is_running()]
+            assert returncode == 0, (
+                f"exit {returncode} {time.monotonic() - stopped:.0f} s after Ctrl-C; "
+                f"still running: {still_running}\n" + "".join(demo.stdout_lines[-15:]) + demo.log
+            )
+        assert "Done." in "".join(demo.stdout_lines)
+        assert [child.pid for child in children if child.is_running()] == []
+    finally:
+        for child in children:  # the demo's own processes, should it have failed to stop them
+            if child.is_running():
+                child.kill()
