@@ -146,7 +146,15 @@ def wait_for_ctrl_c(model_path, initial_peers) -> None:
             "Press Ctrl-C to stop it."
         )
         with contextlib.suppress(KeyboardInterrupt):
+            _stop_on_signals()
             signal.pause()
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (and ``kill``) end the wait, even where SIGINT came ignored from the parent: a shell
+    starts background commands with SIGINT ignored, and Python then installs no handler of its own."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
 
 
 def serve_api(model_path, initial_peers, port: int) -> None:
