@@ -12,6 +12,7 @@ would pass for a left-padded batch.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import ClassVar
 
 import torch
@@ -19,6 +20,9 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
+
+
+_LAST_ROTARY = threading.local()  # per compute thread: (key, (cos, sin)) of the last rotary computation
 
 
 class ServerBlockMixin:
@@ -39,6 +43,7 @@ class ServerBlockMixin:
         if self.rotary_class is not None:
             with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
                 self.rotary_emb = self.rotary_class(config)
+            self._rotary_key = (self.rotary_class, config.to_json_string(use_diff=False))
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
@@ -61,6 +66,28 @@ class ServerBlockMixin:
             return torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
         return cache.position_ids(hidden_states.shape[1], hidden_states.device)
 
+    def rotary_embeddings(
+        self, hidden_states: torch.Tensor, position_ids: torch.LongTensor, cache: PagedCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's ``(cos, sin)`` for these positions. A server runs its blocks one after
+        another on the same rows at the same positions, so blocks with equal configs reuse the
+        previous block's result (as the full model computes it once for all its layers)."""
+        if cache is None:
+            return self.rotary_emb(hidden_states, position_ids)
+        key = (
+            self._rotary_key,
+            cache.row_positions(),
+            hidden_states.shape[:2],
+            hidden_states.dtype,
+            hidden_states.device,
+        )
+        last = getattr(_LAST_ROTARY, "value", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        embeddings = self.rotary_emb(hidden_states, position_ids)
+        _LAST_ROTARY.value = (key, embeddings)
+        return embeddings
+
     @staticmethod
     def attention_mask(hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
         """``[batch, keys]``: 1 where a row has a key, 0 where a merged cache pads it (ALiBi counts it)."""
@@ -81,6 +108,8 @@ class ServerBlockMixin:
     ) -> torch.Tensor | None:
         """The mask the full model builds for this layer, with a merged cache's padding (None where sdpa's
         is_causal suffices)."""
+        if not kwargs and self._needs_no_mask(hidden_states, cache):
+            return None
         mask_function = create_sliding_window_causal_mask if self.uses_sliding_window else create_causal_mask
         return mask_function(
             config=self.config,
@@ -90,6 +119,17 @@ class ServerBlockMixin:
             position_ids=position_ids,
             layer_idx=0 if cache is not None else None,
             **kwargs,
+        )
+
+    def _needs_no_mask(self, hidden_states: torch.Tensor, cache: PagedCache | None) -> bool:
+        """One new token per row, no padding, full attention under sdpa: every cached key is attended,
+        which is what transformers' own mask function decides too, after more work per block."""
+        return (
+            cache is not None
+            and hidden_states.shape[1] == 1
+            and self.config._attn_implementation == "sdpa"
+            and not self.uses_sliding_window
+            and cache.rows_aligned
         )
 
 
@@ -109,7 +149,7 @@ class RotaryBlockMixin(ServerBlockMixin):
             position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(hidden_states, position_ids),
+            position_embeddings=self.rotary_embeddings(hidden_states, position_ids, cache),
         )
 
 

@@ -219,8 +219,22 @@ class PagedCache(Cache):
         lengths = [member.length for member in self.layer.members for _ in range(member.num_sequences)]
         return torch.tensor(lengths, device=device)
 
+    @property
+    def rows_aligned(self) -> bool:
+        """Whether every row has cached as many tokens (no row is padded)."""
+        members = self.layer.members
+        return all(member.length == members[0].length for member in members)
+
+    def row_positions(self) -> tuple[tuple[int, int], ...]:
+        """``(cached tokens, rows)`` of each member (session), in order: where this step's rows start."""
+        return tuple((member.length, member.num_sequences) for member in self.layer.members)
+
     def position_ids(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
         """``[rows, query_length]``: each row's positions of the step's tokens."""
+        if self.rows_aligned:  # the common case, one session: no per-row tensor to build
+            start = self.layer.members[0].length
+            rows = sum(member.num_sequences for member in self.layer.members)
+            return torch.arange(start, start + query_length, device=device).expand(rows, query_length)
         return self._row_lengths(device)[:, None] + torch.arange(query_length, device=device)
 
     def attention_mask(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:

@@ -23,7 +23,7 @@ class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
         if self.config.alibi:
             alibi, mask = self._alibi_and_mask(hidden_states, cache, mask)
         else:
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+            position_embeddings = self.rotary_embeddings(hidden_states, position_ids, cache)
         return super().forward(
             hidden_states,
             alibi=alibi,

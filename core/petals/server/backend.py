@@ -50,7 +50,7 @@ class BlockBackend:
         return kv_cache_layout(self.config).bytes_per_token(self.dtype)
 
     def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
+        with torch.inference_mode(), using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), None)
 
     def backward(
@@ -70,7 +70,7 @@ class BlockBackend:
     def inference_step(
         self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: PagedCache | ShardedCache
     ) -> torch.Tensor:
-        with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
+        with torch.inference_mode(), using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), cache)
 
     def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache | ShardedCache:
