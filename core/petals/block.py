@@ -21,7 +21,6 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
 
-
 _LAST_ROTARY = threading.local()  # per compute thread: (key, (cos, sin)) of the last rotary computation
 
 
