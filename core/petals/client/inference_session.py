@@ -50,6 +50,23 @@ class _ServerSession:
         self._start_from: int | None = None  # a rollback the server learns with the next step
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._opening_sent = False  # the first request carries the session's parameters
+        self._unanswered = 0  # answers to skip before the next step's: the empty opening step's
+        self._open_error: BaseException | None = None  # from opening ahead, raised by the first step
+
+    async def open_ahead(self, batch_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Open the stream and the server's session now, with an empty step (legal in Petals' protocol:
+        it allocates without computing), and do not wait for its answer. All servers of a route
+        are opened this way at once, so the first step can already be pushed from server to server.
+        A failure is kept and raised by the first step, which then fails over as usual."""
+        try:
+            empty = torch.empty(batch_size, 0, hidden_size, dtype=dtype)
+            request = self._request((empty, None, None), str(uuid.uuid4()), None, False)
+            await self._open_stream()
+            self._requests.put_nowait(request)
+            self._unanswered += 1
+        except Exception as error:
+            self._open_error, self._opening_sent = error, False
 
     @property
     def history(self) -> torch.Tensor | None:
@@ -109,7 +126,8 @@ class _ServerSession:
             "step_id": step_id,
             "args_structure": args_structure,
         }
-        if self._responses is None:
+        if not self._opening_sent:
+            self._opening_sent = True
             config = self.manager.config
             metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
         if self._start_from is not None:
@@ -126,18 +144,27 @@ class _ServerSession:
 
     async def _exchange(self, request: runtime_pb2.ExpertRequest, tokens: int) -> runtime_pb2.ExpertResponse:
         """Send ``request`` (opening the stream first) and wait for its answer within the step deadline."""
+        if self._open_error is not None:
+            error, self._open_error = self._open_error, None
+            raise error
+        await self._open_stream()
+        deadlines = self.manager.step_deadlines
+        sent = time.perf_counter()
+        self._requests.put_nowait(request)
+        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
+            while self._unanswered:  # the opening step's answer comes first: nothing to read in it
+                await anext(self._responses)
+                self._unanswered -= 1
+            response = await anext(self._responses)
+        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
+        return response
+
+    async def _open_stream(self) -> None:
         if self._responses is None:
             self._responses = await asyncio.wait_for(
                 open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
                 self.manager.config.connect_timeout,
             )
-        deadlines = self.manager.step_deadlines
-        sent = time.perf_counter()
-        self._requests.put_nowait(request)
-        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
-            response = await anext(self._responses)
-        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
-        return response
 
     def _accept(self, response: runtime_pb2.ExpertResponse, hidden: torch.Tensor) -> torch.Tensor:
         """The server's output for ``hidden``, checked; the step now counts as done on this server."""
@@ -353,7 +380,7 @@ class InferenceSession:
         while block < num_blocks:
             try:
                 if index == len(self._sessions):
-                    self._sessions.extend(await self._open(block, num_blocks))
+                    self._sessions.extend(await self._open(block, num_blocks, hidden))
                 session = self._sessions[index]
                 fresh = session.position == 0 and self.position > 0
                 if fresh and replay is None:
@@ -388,11 +415,18 @@ class InferenceSession:
                 attempt += 1
         return hidden
 
-    async def _open(self, start: int, end: int) -> list[_ServerSession]:
+    async def _open(self, start: int, end: int, hidden: torch.Tensor) -> list[_ServerSession]:
+        """Sessions on a route for blocks ``[start, end)``; on a new route with pushes on, all opened at once."""
         spans = await self.manager.make_sequence(
             start, end, mode="min_latency", cache_tokens_needed=self.max_length
         )
-        return [_ServerSession(self.manager, span, self.max_length) for span in spans]
+        sessions = [_ServerSession(self.manager, span, self.max_length) for span in spans]
+        if self.position == 0 and len(sessions) > 1 and self.manager.config.use_server_to_server:
+            batch_size, _, hidden_size = hidden.shape
+            await asyncio.gather(
+                *(session.open_ahead(batch_size, hidden_size, hidden.dtype) for session in sessions)
+            )
+        return sessions
 
     async def _fail_over(
         self, index: int, replay: torch.Tensor | None, error: BaseException, attempt: int
@@ -428,7 +462,7 @@ class InferenceSession:
 
         The chain stops before the first hop where a push would arrive later than the client's copy.
         """
-        if not self.manager.config.use_server_to_server or self.position == 0:
+        if not self.manager.config.use_server_to_server:
             return None
         downstream = self._sessions[index + 1 :]
         if not downstream or any(session.position != self.position for session in downstream):
