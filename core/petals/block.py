@@ -21,7 +21,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
 
-_LAST_ROTARY = threading.local()  # per compute thread: (key, (cos, sin)) of the last rotary computation
+# per compute thread: what the previous block computed for its step, {name: (key, value)}
+_STEP_VALUES = threading.local()
 
 
 class ServerBlockMixin:
@@ -42,7 +43,7 @@ class ServerBlockMixin:
         if self.rotary_class is not None:
             with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
                 self.rotary_emb = self.rotary_class(config)
-            self._rotary_key = (self.rotary_class, config.to_json_string(use_diff=False))
+        self._config_key = (type(self), self.rotary_class, config.to_json_string(use_diff=False))
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
@@ -71,21 +72,32 @@ class ServerBlockMixin:
         """The rotary module's ``(cos, sin)`` for these positions. A server runs its blocks one after
         another on the same rows at the same positions, so blocks with equal configs reuse the
         previous block's result (as the full model computes it once for all its layers)."""
+        return self._step_value(
+            "rotary", hidden_states, cache, lambda: self.rotary_emb(hidden_states, position_ids)
+        )
+
+    def _step_value(self, name: str, hidden_states: torch.Tensor, cache: PagedCache | None, compute, *key):
+        """``compute()``, or what the previous block computed under ``name`` for the same step: the same
+        rows at the same positions, in a block of the same class and config (``key`` adds the rest)."""
         if cache is None:
-            return self.rotary_emb(hidden_states, position_ids)
+            return compute()
         key = (
-            self._rotary_key,
+            self._config_key,
             cache.row_positions(),
             hidden_states.shape[:2],
             hidden_states.dtype,
             hidden_states.device,
+            key,
         )
-        last = getattr(_LAST_ROTARY, "value", None)
+        values = getattr(_STEP_VALUES, "values", None)
+        if values is None:
+            values = _STEP_VALUES.values = {}
+        last = values.get(name)
         if last is not None and last[0] == key:
             return last[1]
-        embeddings = self.rotary_emb(hidden_states, position_ids)
-        _LAST_ROTARY.value = (key, embeddings)
-        return embeddings
+        value = compute()
+        values[name] = (key, value)
+        return value
 
     @staticmethod
     def attention_mask(hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
@@ -110,14 +122,20 @@ class ServerBlockMixin:
         if not kwargs and self._needs_no_mask(hidden_states, cache):
             return None
         mask_function = create_sliding_window_causal_mask if self.uses_sliding_window else create_causal_mask
-        return mask_function(
-            config=self.config,
-            inputs_embeds=hidden_states,
-            attention_mask=self.attention_mask(hidden_states, cache) if cache is not None else None,
-            cache=cache,
-            position_ids=position_ids,
-            layer_idx=0 if cache is not None else None,
-            **kwargs,
+        return self._step_value(
+            "mask",
+            hidden_states,
+            cache,
+            lambda: mask_function(
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=self.attention_mask(hidden_states, cache) if cache is not None else None,
+                cache=cache,
+                position_ids=position_ids,
+                layer_idx=0 if cache is not None else None,
+                **kwargs,
+            ),
+            tuple(sorted(kwargs.items())),
         )
 
     def _needs_no_mask(self, hidden_states: torch.Tensor, cache: PagedCache | None) -> bool:
