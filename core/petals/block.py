@@ -44,6 +44,8 @@ class ServerBlockMixin:
             with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
                 self.rotary_emb = self.rotary_class(config)
         self._config_key = (type(self), self.rotary_class, config.to_json_string(use_diff=False))
+        # read once: config attribute access is slow, and steps ask per block
+        self._sdpa_full_attention = config._attn_implementation == "sdpa" and not self.uses_sliding_window
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
@@ -59,12 +61,17 @@ class ServerBlockMixin:
             config._experts_implementation = cls.experts_implementation
         return config
 
-    @staticmethod
-    def position_ids(hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
-        """``[batch, length]``: each row's positions (rows of a merged cache sit at different ones)."""
+    def position_ids(self, hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
+        """``[batch, length]``: each row's positions (rows of a merged cache sit at different ones); the
+        previous block's, when it ran the same rows at the same positions."""
         if cache is None:
             return torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
-        return cache.position_ids(hidden_states.shape[1], hidden_states.device)
+        return self._step_value(
+            "positions",
+            hidden_states,
+            cache,
+            lambda: cache.position_ids(hidden_states.shape[1], hidden_states.device),
+        )
 
     def rotary_embeddings(
         self, hidden_states: torch.Tensor, position_ids: torch.LongTensor, cache: PagedCache | None
@@ -144,8 +151,7 @@ class ServerBlockMixin:
         return (
             cache is not None
             and hidden_states.shape[1] == 1
-            and self.config._attn_implementation == "sdpa"
-            and not self.uses_sliding_window
+            and self._sdpa_full_attention
             and cache.rows_aligned
         )
 

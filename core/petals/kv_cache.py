@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 PAGE_TOKENS = 16  # tokens per page: small enough to waste little, large enough to index cheaply
+_UNKNOWN = object()
 
 
 class CacheOverflowError(ValueError):
@@ -173,11 +174,10 @@ class PagedLayer(CacheLayerMixin):
         new_tokens = key_states.shape[-2]
         for member in self.members:
             member.reserve(new_tokens)
-        slots = torch.cat(
-            [member.slots(member.length, member.length + new_tokens) for member in self.members]
-        )
-        self.pool.keys[slots.flatten()] = key_states.transpose(1, 2).flatten(0, 1)
-        self.pool.values[slots.flatten()] = value_states.transpose(1, 2).flatten(0, 1)
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            self._write_contiguous(start, key_states, value_states)
+        else:
+            self._write_slots(key_states, value_states)
         for member in self.members:
             member.length += new_tokens
         keys, values = self._read()
@@ -185,6 +185,21 @@ class PagedLayer(CacheLayerMixin):
             keys = keys.repeat_interleave(layout.group_size, dim=1)
             values = values.repeat_interleave(layout.group_size, dim=1)
         return keys, values
+
+    def _write_contiguous(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One sequence in consecutive pages (a lone session's): the step's tokens are one slice."""
+        first = start + self.members[0].length
+        end = first + key_states.shape[-2]
+        self.pool.keys[first:end].copy_(key_states[0].transpose(0, 1))
+        self.pool.values[first:end].copy_(value_states[0].transpose(0, 1))
+
+    def _write_slots(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        new_tokens = key_states.shape[-2]
+        slots = torch.cat(
+            [member.slots(member.length, member.length + new_tokens) for member in self.members]
+        )
+        self.pool.keys[slots.flatten()] = key_states.transpose(1, 2).flatten(0, 1)
+        self.pool.values[slots.flatten()] = value_states.transpose(1, 2).flatten(0, 1)
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
@@ -265,6 +280,7 @@ class BlockCache(PagedCache):
         self.length = 0
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self._table_tensor: torch.Tensor | None = None
+        self._contiguous: int | None | object = _UNKNOWN  # contiguous_start(), once computed
         self._released = False
         super().__init__([self])
         if standalone:
@@ -311,7 +327,7 @@ class BlockCache(PagedCache):
             pages = self.pool.take(missing * self.num_sequences)
             for row, table in enumerate(self.tables):
                 table.extend(pages[row * missing : (row + 1) * missing])
-        self._table_tensor = None
+        self._table_tensor, self._contiguous = None, _UNKNOWN
 
     def slots(self, start: int, end: int) -> torch.LongTensor:
         """``[sequences, end - start]``: where positions ``start..end-1`` of each sequence live in the pool."""
@@ -323,6 +339,11 @@ class BlockCache(PagedCache):
 
     def contiguous_start(self) -> int | None:
         """The first slot of a single sequence whose pages lie one after another (as a lone session's do)."""
+        if self._contiguous is _UNKNOWN:
+            self._contiguous = self._find_contiguous_start()
+        return self._contiguous
+
+    def _find_contiguous_start(self) -> int | None:
         if self.num_sequences != 1 or not self.tables[0]:
             return None
         table = self.tables[0]
@@ -340,7 +361,7 @@ class BlockCache(PagedCache):
             for table in self.tables:
                 self.pool.give_back(table[keep:])
                 del table[keep:]
-        self._table_tensor = None
+        self._table_tensor, self._contiguous = None, _UNKNOWN
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``."""
@@ -361,7 +382,7 @@ class BlockCache(PagedCache):
                 self.pool.give_back(table)
                 table.clear()
         self.length = 0
-        self._table_tensor = None
+        self._table_tensor, self._contiguous = None, _UNKNOWN
 
 
 def _grouped(states: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
