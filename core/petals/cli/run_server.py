@@ -183,6 +183,12 @@ def _taking_following_words(process):
 @setting("--mean_balance_check_period", type=float, help="Mean seconds between rebalancing checks.")
 @setting("--stats_period", "--stats_report_interval", type=float, help="Seconds between status log lines.")
 @setting(
+    "--merge_window",
+    type=click.FloatRange(min=0),
+    help="Seconds a decode step may wait for the steps of other active sessions expected by then, "
+    "to compute them as one batch (a lone session never waits; 0: no step waits).",
+)
+@setting(
     "--cache_dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Hugging Face cache for downloaded weights and home of the throughput cache.",

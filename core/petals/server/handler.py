@@ -271,6 +271,7 @@ class TransformerConnectionHandler(ServicerBase):
                     async for response in self._serve_session(session, args, metadata, requests):
                         yield response
             finally:  # after its queued steps, never under a forward that merged it with others
+                self.compute.forget(session.session_id)
                 self._spawn(self.compute.run(Priority.DECODE, 0, session.release))
 
     async def _first_request(
@@ -401,7 +402,9 @@ class TransformerConnectionHandler(ServicerBase):
             step = DecodeStep(session, hidden, hypo_ids, start, trace)
             if trace is not None:
                 trace.mark("queued")
-            output = await self.compute.run_batched(Priority.DECODE, tokens, key, step, run_decode_steps)
+            output = await self.compute.run_batched(
+                Priority.DECODE, tokens, key, step, run_decode_steps, member=session.session_id
+            )
             if trace is not None:
                 _record_compute_queue(trace)
             if isinstance(output, Exception):  # this session's own failure (e.g. no free page)

@@ -8,8 +8,11 @@ instead of waiting for the whole pass.
 
 Tasks submitted with ``run_batched`` carry a batch key: when the worker takes one, it also takes
 every queued task with the same key and runs them all with one call of their batch function
-(e.g. the decode steps of several sessions at the same position, as one forward per block). Nothing
-waits to fill a batch: steps that arrive while the worker is busy are merged, the rest run alone.
+(e.g. the decode steps of several sessions, as one forward per block). Steps that arrive while the
+worker is busy are merged. Besides, a batch may wait up to ``merge_window`` seconds (counted from
+its first task's arrival) for the steps of other members (sessions) of its key that are expected
+within that time: each member's next arrival is predicted from the interval between its last two.
+A lone session never waits; neither does a batch while a task of another key is queued.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MAX_BATCH_TOKENS = 256  # decode steps merged into one call carry at most this m
 # up to this many tokens per task, torch runs on one thread: small ops gain nothing from more threads,
 # and idle OpenMP workers spinning after every op steal the CPU other processes need
 SINGLE_THREAD_TOKENS = 64
+ACTIVE_SECONDS = 1.0  # a member whose last step is older than this is not waited for
 
 
 class Priority(IntEnum):
@@ -52,6 +56,7 @@ class _Task:
     function: Callable[[list[Any]], list[Any]] = field(compare=False)
     item: Any = field(compare=False)
     key: Hashable | None = field(compare=False)
+    member: Hashable | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
     loop: asyncio.AbstractEventLoop = field(compare=False)
     submitted: float = field(default_factory=time.perf_counter, compare=False)
@@ -60,8 +65,10 @@ class _Task:
 class ComputeQueue:
     """Runs submitted functions in one worker thread, most urgent first, merging batchable ones."""
 
-    def __init__(self, max_batch_tokens: int = MAX_BATCH_TOKENS) -> None:
+    def __init__(self, max_batch_tokens: int = MAX_BATCH_TOKENS, merge_window: float = 0.0) -> None:
         self.max_batch_tokens = max_batch_tokens
+        self.merge_window = merge_window
+        self._arrivals: dict[Hashable, _Arrivals] = {}  # by member: when its next step is expected
         self._heap: list[_Task] = []
         self._changed = threading.Condition()
         self._stopping = False
@@ -84,7 +91,7 @@ class ComputeQueue:
 
     async def run(self, priority: Priority, tokens: int, function: Callable[[], Any]) -> Any:
         """Run ``function()`` in the compute thread and return its result (or raise its exception)."""
-        return await self._submit(priority, tokens, lambda items: [function()], None, None)
+        return await self._submit(priority, tokens, lambda items: [function()], None, None, None)
 
     async def run_batched(
         self,
@@ -93,19 +100,28 @@ class ComputeQueue:
         key: Hashable,
         item: Any,
         function: Callable[[list[Any]], list[Any]],
+        member: Hashable | None = None,
     ) -> Any:
         """Run ``function([item, ...])`` together with other queued items of the same ``key``.
 
         ``function`` returns one result per item, in order; this call returns ``item``'s. An
-        exception fails every item of the batch.
+        exception fails every item of the batch. ``member`` (e.g. a session id) submits steps
+        again and again: a batch of its key may wait for its next one (call ``forget`` at its end).
         """
-        return await self._submit(priority, tokens, function, item, key)
+        return await self._submit(priority, tokens, function, item, key, member)
 
-    async def _submit(self, priority, tokens, function, item, key) -> Any:
+    def forget(self, member: Hashable) -> None:
+        """``member`` submits no more steps: no batch waits for it."""
+        with self._changed:
+            self._arrivals.pop(member, None)
+
+    async def _submit(self, priority, tokens, function, item, key, member) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        task = _Task(int(priority), next(self._sequence), tokens, function, item, key, future, loop)
+        task = _Task(int(priority), next(self._sequence), tokens, function, item, key, member, future, loop)
         with self._changed:
+            if member is not None:
+                self._arrivals.setdefault(member, _Arrivals()).arrived(key, task.submitted)
             heapq.heappush(self._heap, task)
             self._changed.notify()
         return await future
@@ -118,17 +134,43 @@ class ComputeQueue:
                 return None
             first = heapq.heappop(self._heap)
             batch = [first]
-            if first.key is not None and self._heap:
-                tokens, rest = first.tokens, []
-                for task in sorted(self._heap):
-                    if task.key == first.key and tokens + task.tokens <= self.max_batch_tokens:
-                        batch.append(task)
-                        tokens += task.tokens
-                    else:
-                        rest.append(task)
-                if len(batch) > 1:
-                    self._heap = rest  # sorted, hence a valid heap
+            if first.key is not None:
+                self._take_same_key(batch)
+                while (timeout := self._merge_wait(batch)) > 0:
+                    self._changed.wait(timeout)
+                    self._take_same_key(batch)
             return batch
+
+    def _take_same_key(self, batch: list[_Task]) -> None:
+        """Move queued tasks of the batch's key into it, as long as its tokens allow."""
+        key, tokens, rest = batch[0].key, sum(task.tokens for task in batch), []
+        for task in sorted(self._heap):
+            if task.key == key and tokens + task.tokens <= self.max_batch_tokens:
+                batch.append(task)
+                tokens += task.tokens
+            else:
+                rest.append(task)
+        if len(rest) < len(self._heap):
+            self._heap = rest  # sorted, hence a valid heap
+
+    def _merge_wait(self, batch: list[_Task]) -> float:
+        """Seconds to wait for more of the batch's key: until the next expected member, within the window."""
+        if self._heap or self._stopping:  # other work is waiting, or nothing will come
+            return 0.0
+        now = time.perf_counter()
+        deadline = batch[0].submitted + self.merge_window
+        if now >= deadline:
+            return 0.0
+        key, present = batch[0].key, {task.member for task in batch}
+        tokens = sum(task.tokens for task in batch)
+        expected = [
+            arrivals.expected
+            for member, arrivals in self._arrivals.items()
+            if member not in present and arrivals.key == key and now - arrivals.last < ACTIVE_SECONDS
+        ]
+        if tokens >= self.max_batch_tokens or not any(when <= deadline for when in expected):
+            return 0.0
+        return deadline - now
 
     def _work(self) -> None:
         while (batch := self._next_batch()) is not None:
@@ -160,6 +202,23 @@ class ComputeQueue:
         finally:
             self.busy_seconds += time.perf_counter() - started
             self.tokens_processed += tokens
+
+
+@dataclass
+class _Arrivals:
+    """When a member's steps of one key arrived, and when its next one is expected."""
+
+    key: Hashable | None = None
+    last: float = float("-inf")
+    interval: float = float("inf")
+
+    def arrived(self, key: Hashable | None, when: float) -> None:
+        self.interval = when - self.last if key == self.key else float("inf")
+        self.key, self.last = key, when
+
+    @property
+    def expected(self) -> float:
+        return self.last + self.interval
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -84,7 +84,7 @@ class Server:
 
     async def _serve(self, p2p: P2P, node: DHTNode) -> None:
         checking = asyncio.create_task(self._check_reachability(p2p, node))
-        compute = ComputeQueue()
+        compute = ComputeQueue(merge_window=self.settings.merge_window)
         compute.start()
         try:
             blocks = await self._choose_blocks(node)

@@ -104,6 +104,8 @@ class ServerSettings:
     balance_quality: float = 0.75
     mean_balance_check_period: float = 60
     stats_period: float = 60
+    # seconds a decode step may wait for other sessions' steps expected by then (0: never waits)
+    merge_window: float = 0.0
     public_name: str | None = None
 
     def load_config(self):
