@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Check, Context, Result, against_local, main
+from benchmarks.harness import Check, Context, Result, _with_threads, against_local, main
 from benchmarks.transport_floor import measure_floor
 
 
@@ -46,16 +46,17 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
 
     samples = against_local(lambda: generate(local), lambda: generate(remote), repeats)
     per_token = {
-        name: {key: value / new_tokens for key, value in result.items() if key != "samples"}
+        name: {key: value / new_tokens for key, value in result.items() if key in ("best", "median")}
         for name, result in samples.items()
     }
+    client_threads = samples["swarm"]["threads"]
     ratio = per_token["swarm"]["best"] / per_token["local"]["best"]
     overhead = per_token["swarm"]["best"] - per_token["local"]["best"]
     round_trip = measure_floor(ctx)["stream"]["median"]
-    breakdown = traced_decode_step(lambda: generate(remote))
+    breakdown = traced_decode_step(_with_threads(lambda: generate(remote), client_threads))
     notes = [
         f"per token: local {per_token['local']['best'] * 1e3:.2f} ms, swarm {per_token['swarm']['best'] * 1e3:.2f} ms "
-        f"(best of {repeats}); overhead {overhead * 1e3:.2f} ms = {overhead / (servers * round_trip):.1f}x "
+        f"(best of {repeats}; the client at {client_threads} torch threads, the better); overhead {overhead * 1e3:.2f} ms = {overhead / (servers * round_trip):.1f}x "
         f"the transport floor ({servers} servers x {round_trip * 1e3:.3f} ms stream round trip)",
         "traced decode step (mean ms, measured in the client and server processes):",
         *describe_breakdown(breakdown),
@@ -69,6 +70,7 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
         measurements={
             "seconds_per_token": per_token,
             "seconds_per_run": samples,
+            "client_threads": client_threads,
             "overhead_per_token_seconds": overhead,
             "transport_floor_seconds": servers * round_trip,
             "traced_decode_step_seconds": breakdown,
