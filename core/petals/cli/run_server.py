@@ -189,6 +189,11 @@ def _taking_following_words(process):
     "to compute them as one batch (a lone session never waits; 0: no step waits).",
 )
 @setting(
+    "--decode_threads",
+    type=click.IntRange(min=1),
+    help="Torch threads for steps of up to 64 tokens (decode steps); larger steps use all.",
+)
+@setting(
     "--cache_dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Hugging Face cache for downloaded weights and home of the throughput cache.",

@@ -162,6 +162,8 @@ class TransformerConnectionHandler(ServicerBase):
                     **{
                         f"decode_batch_size_{size}": count for size, count in self.compute.batch_sizes.items()
                     },
+                    # torch threads of one-token decode steps now (a fixed --decode_threads, or learned)
+                    **self.compute.threads.describe((Priority.DECODE, 1)),
                 },
             }
             if request.uid:

@@ -36,9 +36,10 @@ from petals.server import metrics
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 256  # decode steps merged into one call carry at most this many tokens in total
-# up to this many tokens per task, torch runs on one thread: small ops gain nothing from more threads,
-# and idle OpenMP workers spinning after every op steal the CPU other processes need
-SINGLE_THREAD_TOKENS = 64
+# tasks of up to this many tokens are small: their ops may gain nothing from more threads (and idle
+# OpenMP workers spinning after every op steal the CPU other processes need), or may, on wide layers
+# with memory bandwidth per core to spare; ``ThreadChoice`` measures which. Larger tasks use all.
+SMALL_TASK_TOKENS = 64
 ACTIVE_SECONDS = 1.0  # a member whose last step is older than this is not waited for
 
 
@@ -65,7 +66,9 @@ class _Task:
 class ComputeQueue:
     """Runs submitted functions in one worker thread, most urgent first, merging batchable ones."""
 
-    def __init__(self, max_batch_tokens: int = MAX_BATCH_TOKENS, merge_window: float = 0.0) -> None:
+    def __init__(
+        self, max_batch_tokens: int = MAX_BATCH_TOKENS, merge_window: float = 0.0, small_task_threads: int = 0
+    ) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.merge_window = merge_window
         self._arrivals: dict[Hashable, _Arrivals] = {}  # by member: when its next step is expected
@@ -79,6 +82,8 @@ class ComputeQueue:
         self.batches_merged = 0  # calls that ran more than one task at once
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # tasks per batchable call
         self._max_threads = torch.get_num_threads()
+        # small tasks: that many threads, or (0) whichever of one and all the tasks' own times favour
+        self.threads = ThreadChoice(self._max_threads, small_task_threads)
 
     def start(self) -> None:
         self._thread.start()
@@ -180,7 +185,7 @@ class ComputeQueue:
             metrics.compute_batch_started([task.submitted for task in batch])
             tokens = sum(task.tokens for task in batch)
             try:
-                results, error = self._execute(batch[0].function, [task.item for task in batch], tokens), None
+                results, error = self._execute(batch[0], [task.item for task in batch], tokens), None
             except BaseException as exception:  # handed to the awaiting handlers, which report it
                 results, error = [None] * len(batch), exception
             self.batches_merged += len(batch) > 1
@@ -192,16 +197,69 @@ class ComputeQueue:
                 except RuntimeError:  # the event loop is closed: the server is shutting down
                     return
 
-    def _execute(
-        self, function: Callable[[list[Any]], list[Any]], items: list[Any], tokens: int
-    ) -> list[Any]:
-        torch.set_num_threads(1 if tokens <= SINGLE_THREAD_TOKENS else self._max_threads)
+    def _execute(self, first: _Task, items: list[Any], tokens: int) -> list[Any]:
+        kind = (first.priority, tokens.bit_length())  # tasks alike in cost: the same kind, sizes within 2x
+        threads = self.threads.pick(kind) if tokens <= SMALL_TASK_TOKENS else self._max_threads
+        torch.set_num_threads(threads)
         started = time.perf_counter()
         try:
-            return function(items)
+            return first.function(items)
         finally:
-            self.busy_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            if tokens <= SMALL_TASK_TOKENS:
+                self.threads.record(kind, threads, seconds)
+            self.busy_seconds += seconds
             self.tokens_processed += tokens
+
+
+class ThreadChoice:
+    """How many torch threads small tasks run on: a fixed number, or one or all, learned from their times.
+
+    Learning, per kind of task: its first ``2 * EXPLORE`` tasks alternate between one thread and all,
+    then each task runs on the count with the lower mean time (an exponential moving average), and
+    every ``REVISIT``-th on the other one, so that a change in the machine's load is noticed. On this
+    project's CPU runs one thread wins for a tiny model's blocks and two for SmolLM2's (wider layers).
+    Results do not depend on the count (the same kernels split the same outputs over threads).
+    """
+
+    EXPLORE, REVISIT, SMOOTHING = 4, 32, 0.2
+
+    def __init__(self, max_threads: int, fixed: int = 0) -> None:
+        self.counts = (1, max_threads)
+        self.fixed = fixed
+        self.mean_seconds: dict[tuple[Hashable, int], float] = {}
+        self._tasks: collections.Counter[Hashable] = collections.Counter()
+
+    def pick(self, kind: Hashable) -> int:
+        if self.fixed or self.counts[0] == self.counts[1]:
+            return self.fixed or 1
+        seen = self._tasks[kind]
+        if seen < 2 * self.EXPLORE:
+            self._tasks[kind] += 1
+            return self.counts[seen % 2]
+        faster = self.preferred(kind)
+        self._tasks[kind] += 1
+        slower = self.counts[1] if faster == self.counts[0] else self.counts[0]
+        return slower if seen % self.REVISIT == 0 else faster
+
+    def preferred(self, kind: Hashable) -> int | None:
+        """The count tasks of ``kind`` run on now (None: still exploring)."""
+        if self.fixed or self.counts[0] == self.counts[1]:
+            return self.fixed or 1
+        if self._tasks[kind] < 2 * self.EXPLORE:
+            return None
+        return min(self.counts, key=lambda count: self.mean_seconds[kind, count])
+
+    def describe(self, kind: Hashable) -> dict[str, int]:
+        """``{"decode_threads": count}`` once it is known, for ``rpc_info``'s stats."""
+        preferred = self.preferred(kind)
+        return {} if preferred is None else {"decode_threads": preferred}
+
+    def record(self, kind: Hashable, threads: int, seconds: float) -> None:
+        mean = self.mean_seconds.get((kind, threads))
+        self.mean_seconds[kind, threads] = (
+            seconds if mean is None else mean + self.SMOOTHING * (seconds - mean)
+        )
 
 
 @dataclass

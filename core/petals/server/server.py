@@ -84,7 +84,9 @@ class Server:
 
     async def _serve(self, p2p: P2P, node: DHTNode) -> None:
         checking = asyncio.create_task(self._check_reachability(p2p, node))
-        compute = ComputeQueue(merge_window=self.settings.merge_window)
+        compute = ComputeQueue(
+            merge_window=self.settings.merge_window, small_task_threads=self.settings.decode_threads or 0
+        )
         compute.start()
         try:
             blocks = await self._choose_blocks(node)

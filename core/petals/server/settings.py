@@ -106,6 +106,10 @@ class ServerSettings:
     stats_period: float = 60
     # seconds a decode step may wait for other sessions' steps expected by then (0: never waits)
     merge_window: float = 0.0
+    # torch threads for small steps (up to 64 tokens); larger ones use all
+    decode_threads: int | None = _decided(
+        "one or all, whichever the server measures to finish its steps sooner"
+    )
     public_name: str | None = None
 
     def load_config(self):

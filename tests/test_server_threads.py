@@ -1,0 +1,80 @@
+"""Small steps run on one torch thread or on all, whichever their own times favour (``--decode_threads``).
+
+``ThreadChoice`` is fed the times a kind of task took: it tries both counts first, then uses the
+faster, revisits the other now and then, and follows when the machine's load turns the tables. A
+fixed ``--decode_threads`` is used as given, and a server reports its count in ``rpc_info``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from petals.data_structures import make_uids
+from petals.server.scheduler import ThreadChoice
+from petals.testing.swarm import running_swarm
+from petals.testing.wire_client import WireClient
+
+KIND = ("decode", 1)
+HIDDEN = 64  # the tiny Llama's
+
+
+def run(choice: ThreadChoice, tasks: int, seconds_on: dict[int, float]) -> list[int]:
+    """The counts ``tasks`` tasks ran on, each taking ``seconds_on[count]``."""
+    counts = []
+    for _ in range(tasks):
+        count = choice.pick(KIND)
+        choice.record(KIND, count, seconds_on[count])
+        counts.append(count)
+    return counts
+
+
+def test_it_tries_both_then_keeps_the_faster_and_revisits_the_slower():
+    choice = ThreadChoice(max_threads=4)
+    assert choice.preferred(KIND) is None
+    counts = run(choice, 2 * ThreadChoice.EXPLORE + 2 * ThreadChoice.REVISIT, {1: 0.002, 4: 0.005})
+    explore = counts[: 2 * ThreadChoice.EXPLORE]
+    assert explore == [1, 4] * ThreadChoice.EXPLORE
+    later = counts[2 * ThreadChoice.EXPLORE :]
+    assert later.count(4) == 2 and later.count(1) == len(later) - 2  # the slower one, once every REVISIT
+    assert choice.preferred(KIND) == 1 and choice.describe(KIND) == {"decode_threads": 1}
+
+
+def test_it_follows_when_the_other_count_becomes_faster():
+    choice = ThreadChoice(max_threads=2)
+    run(choice, 40, {1: 0.002, 2: 0.004})
+    assert choice.preferred(KIND) == 1
+    counts = run(choice, 8 * ThreadChoice.REVISIT, {1: 0.006, 2: 0.003})  # say, wider steps now
+    assert choice.preferred(KIND) == 2
+    assert counts[-ThreadChoice.REVISIT + 1 :].count(2) >= ThreadChoice.REVISIT - 2
+
+
+def test_kinds_are_learned_apart():
+    choice = ThreadChoice(max_threads=2)
+    for _ in range(20):
+        for kind, faster in ((("decode", 1), 1), (("forward", 5), 2)):
+            count = choice.pick(kind)
+            choice.record(kind, count, 0.001 if count == faster else 0.003)
+    assert choice.preferred(("decode", 1)) == 1 and choice.preferred(("forward", 5)) == 2
+
+
+@pytest.mark.parametrize("max_threads, fixed, expected", [(4, 3, 3), (1, 0, 1)])
+def test_a_fixed_count_or_a_single_core_needs_no_learning(max_threads, fixed, expected):
+    choice = ThreadChoice(max_threads, fixed)
+    assert run(choice, 5, {expected: 0.001}) == [expected] * 5
+    assert choice.describe(KIND) == {"decode_threads": expected}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, expected", [(("--decode_threads", "1"), {1}), ((), {1, 2})])
+def test_a_server_reports_its_decode_threads(tiny_model_path, args, expected):
+    with running_swarm(tiny_model_path("llama"), "0:4", server_args=args) as (dht, (server,)):
+        client = WireClient(dht.initial_peers)
+        try:
+            stream = client.inference(server.peer_id, make_uids("tiny-llama-hf", 0, 4), max_length=64)
+            for _ in range(2 * ThreadChoice.EXPLORE + 1):
+                stream.step(torch.randn(1, 1, HIDDEN))
+            stream.close()
+            assert client.info(server.peer_id)["stats"]["decode_threads"] in expected
+        finally:
+            client.close()
