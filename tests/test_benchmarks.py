@@ -36,3 +36,19 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     summary = (tmp_path / "summary.md").read_text()
     assert all(record["benchmark"] in summary for record in records)
     assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_cpu_split_reports_each_process_of_the_swarm():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_split", "--quick", "--client_threads", "1"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    swarm, local = result.stdout.split("== local transformers")
+    assert swarm.startswith("== swarm, client at 1 torch threads")
+    for group in ("client   python", "server 0 python", "server 0 p2pd"):  # the server and its p2p daemon
+        assert group in swarm, swarm
+    assert "client   python" in local
