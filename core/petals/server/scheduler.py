@@ -158,6 +158,14 @@ class ComputeQueue:
         if len(rest) < len(self._heap):
             self._heap = rest  # sorted, hence a valid heap
 
+    def _serving_several(self) -> bool:
+        """Whether other work is queued, or more than one member (session) stepped within ``ACTIVE_SECONDS``."""
+        if self._heap:
+            return True
+        now = time.perf_counter()
+        with self._changed:
+            return sum(now - arrivals.last < ACTIVE_SECONDS for arrivals in self._arrivals.values()) > 1
+
     def _merge_wait(self, batch: list[_Task]) -> float:
         """Seconds to wait for more of the batch's key: until the next expected member, within the window."""
         if self._heap or self._stopping:  # other work is waiting, or nothing will come
@@ -199,14 +207,18 @@ class ComputeQueue:
 
     def _execute(self, first: _Task, items: list[Any], tokens: int) -> list[Any]:
         kind = (first.priority, tokens.bit_length())  # tasks alike in cost: the same kind, sizes within 2x
-        threads = self.threads.pick(kind) if tokens <= SMALL_TASK_TOKENS else self._max_threads
+        learn = tokens <= SMALL_TASK_TOKENS and len(items) == 1 and not self._serving_several()
+        if learn:
+            threads = self.threads.pick(kind)
+        else:  # several sessions at once: every core is better spent on their work than on spinning
+            threads = self.threads.busy if tokens <= SMALL_TASK_TOKENS else self._max_threads
         torch.set_num_threads(threads)
         started = time.perf_counter()
         try:
             return first.function(items)
         finally:
             seconds = time.perf_counter() - started
-            if tokens <= SMALL_TASK_TOKENS:
+            if learn:
                 self.threads.record(kind, threads, seconds)
             self.busy_seconds += seconds
             self.tokens_processed += tokens
@@ -217,9 +229,11 @@ class ThreadChoice:
 
     Learning, per kind of task: its first ``2 * EXPLORE`` tasks alternate between one thread and all,
     then each task runs on the count with the lower mean time (an exponential moving average), and
-    every ``REVISIT``-th on the other one, so that a change in the machine's load is noticed. On this
-    project's CPU runs one thread wins for a tiny model's blocks and two for SmolLM2's (wider layers).
-    Results do not depend on the count (the same kernels split the same outputs over threads).
+    every ``REVISIT``-th on the other one, so that a change in the machine's load is noticed. It
+    learns from a server serving one session: while it serves several, small tasks run on ``busy``
+    threads (one, unless fixed), as spinning OpenMP workers would take the cores their steps need
+    (measured on 2 cores with 8 sessions: 53 ms of server CPU per token with two threads, 36 with
+    one). Results do not depend on the count (the same kernels split the same outputs over threads).
     """
 
     EXPLORE, REVISIT, SMOOTHING = 4, 32, 0.2
@@ -227,6 +241,7 @@ class ThreadChoice:
     def __init__(self, max_threads: int, fixed: int = 0) -> None:
         self.counts = (1, max_threads)
         self.fixed = fixed
+        self.busy = fixed or 1
         self.mean_seconds: dict[tuple[Hashable, int], float] = {}
         self._tasks: collections.Counter[Hashable] = collections.Counter()
 
