@@ -50,7 +50,9 @@ class BlockBackend:
         return kv_cache_layout(self.config).bytes_per_token(self.dtype)
 
     def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        with torch.inference_mode(), using_adapter(self.module, self.adapter) as module:
+        # no_grad, not inference_mode: rpc_backward recomputes its blocks' inputs with this, and
+        # autograd cannot take inference tensors
+        with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), None)
 
     def backward(
