@@ -52,3 +52,18 @@ def test_cpu_split_reports_each_process_of_the_swarm():
     for group in ("client   python", "server 0 python", "server 0 p2pd"):  # the server and its p2p daemon
         assert group in swarm, swarm
     assert "client   python" in local
+
+
+def test_compute_floor_times_generate_its_layers_and_the_server_blocks():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compute_floor", "--quick"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("quick-llama, 6 blocks"), result.stdout
+    assert any("1 threads: transformers generate" in line and "the server's blocks" in line for line in lines)
+    assert any(line.startswith("  swarm before transport, servers at 1 threads") for line in lines)

@@ -1,0 +1,134 @@
+"""The compute a swarm cannot skip: a model's blocks and its client-side work per token, in one process.
+
+    python -m benchmarks.compute_floor [tiny-llama|smollm2] [--quick]
+
+A diagnostic, not part of the suite. It times, taking turns at 1 torch thread and at all of them:
+transformers' ``generate`` per new token; transformers' decoder layers per decode step (the model
+body with its ``DynamicCache``); and the same layers as a server runs them (``load_block`` into
+``BlockBackend``s over paged caches, ``run_decode_steps``). What ``generate`` spends outside its
+layers (embeddings, LM head, logits processing, its own logic) the swarm's client spends too.
+So "client part + server blocks" is what a swarm's token costs before any transport: divided by
+the best local time it bounds the latency ratio the swarm can reach on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.harness import Context
+
+STEPS, PROMPT = 64, 16
+
+
+def timed(run, repeats: int = 3) -> float:
+    """Best seconds per step of ``run()`` (which makes ``STEPS`` steps), after a warm-up."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, (time.perf_counter() - started) / STEPS)
+    return best
+
+
+def server_backends(path: Path):
+    from petals.auto import AutoDistributedConfig
+    from petals.loading import load_block
+    from petals.server.backend import BlockBackend
+
+    config = AutoDistributedConfig.from_pretrained(path)
+    backends = []
+    for index in range(config.num_hidden_layers):
+        block = load_block(path, index, torch.float32, config=config)
+        backends.append(
+            BlockBackend(f"block.{index}", index, block, block.config, torch.float32, torch.device("cpu"))
+        )
+    return config, backends
+
+
+def main() -> None:
+    from petals.server.sessions import DecodeStep, ServerInferenceSession, run_decode_steps
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="tiny-llama", choices=("tiny-llama", "smollm2"))
+    parser.add_argument("--quick", action="store_true", help="the suite's --quick model")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        ctx = Context(quick=args.quick, workdir=Path(workdir))
+        local = ctx.local_model(args.model)
+        config, backends = server_backends(ctx.model_path(args.model))
+        pools = [
+            backend.make_pools(num_pages=(PROMPT + STEPS) // 16 + 2, page_tokens=16) for backend in backends
+        ]
+        vocab, hidden_size = config.vocab_size, config.hidden_size
+        prompt = torch.randint(3, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+        def generate() -> None:
+            with torch.no_grad():
+                local.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=STEPS,
+                    min_new_tokens=STEPS,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        def transformers_layers() -> None:
+            cache = DynamicCache(config=local.config)
+            with torch.inference_mode():
+                local.model(prompt, cache=cache, use_cache=True)
+                for token in torch.randint(3, vocab, (STEPS, 1, 1)):
+                    local.model(token, cache=cache, use_cache=True)
+
+        def server_blocks() -> None:
+            caches = [
+                backend.open_cache(pool, 1, PROMPT + STEPS)
+                for backend, pool in zip(backends, pools, strict=True)
+            ]
+            session = ServerInferenceSession("floor", backends, caches, 1, PROMPT + STEPS)
+            session.run_blocks(torch.randn(1, PROMPT, hidden_size), [None] * len(backends))
+            for hidden in torch.randn(STEPS, 1, 1, hidden_size):
+                run_decode_steps([DecodeStep(session, hidden, None, None)])
+            session.release()
+
+        all_threads = torch.get_num_threads()
+        rows = {}
+        for threads in sorted({1, all_threads}):
+            torch.set_num_threads(threads)
+            rows[threads] = {
+                name: timed(run)
+                for name, run in (
+                    ("generate", generate),
+                    ("layers", transformers_layers),
+                    ("server", server_blocks),
+                )
+            }
+        torch.set_num_threads(all_threads)
+    best_local = min(row["generate"] for row in rows.values())
+    client = min(row["generate"] - row["layers"] for row in rows.values())
+    print(
+        f"{ctx.model_path(args.model).name}, {config.num_hidden_layers} blocks, ms per token (best of 3 x {STEPS} steps):"
+    )
+    for threads, row in rows.items():
+        print(
+            f"  {threads} threads: transformers generate {row['generate'] * 1e3:.2f}, its layers "
+            f"{row['layers'] * 1e3:.2f}, outside its layers {(row['generate'] - row['layers']) * 1e3:.2f}; "
+            f"the server's blocks {row['server'] * 1e3:.2f} ({row['server'] / row['layers']:.2f}x its layers)"
+        )
+    for threads, row in rows.items():
+        floor = client + row["server"]
+        print(
+            f"  swarm before transport, servers at {threads} threads: {floor * 1e3:.2f} ms = "
+            f"{floor / best_local:.2f}x the best local generate ({best_local * 1e3:.2f} ms)"
+        )
+
+
+if __name__ == "__main__":
+    main()
