@@ -16,9 +16,9 @@ import argparse
 import os
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import torch
 
 from benchmarks.harness import Context
@@ -27,20 +27,9 @@ NEW_TOKENS = 64
 
 
 def descendants(pid: int) -> list[int]:
-    """``pid`` and its children, recursively (their parent pid read from ``/proc``)."""
-    children = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children[parent].append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        found.append(current := stack.pop())
-        stack.extend(children[current])
-    return found
+    """``pid`` and its children, recursively."""
+    process = psutil.Process(pid)
+    return [pid, *(child.pid for child in process.children(recursive=True))]
 
 
 def thread_times(groups: dict[str, list[int]]) -> dict[tuple[str, str, int], tuple[int, int]]:

@@ -164,7 +164,7 @@ class ComputeQueue:
             return True
         now = time.perf_counter()
         with self._changed:
-            return sum(now - arrivals.last < ACTIVE_SECONDS for arrivals in self._arrivals.values()) > 1
+            return sum(arrivals.active(now) for arrivals in self._arrivals.values()) > 1
 
     def _merge_wait(self, batch: list[_Task]) -> float:
         """Seconds to wait for more of the batch's key: until the next expected member, within the window."""
@@ -179,7 +179,7 @@ class ComputeQueue:
         expected = [
             arrivals.expected
             for member, arrivals in self._arrivals.items()
-            if member not in present and arrivals.key == key and now - arrivals.last < ACTIVE_SECONDS
+            if member not in present and arrivals.key == key and arrivals.active(now)
         ]
         if tokens >= self.max_batch_tokens or not any(when <= deadline for when in expected):
             return 0.0
@@ -240,14 +240,14 @@ class ThreadChoice:
 
     def __init__(self, max_threads: int, fixed: int = 0) -> None:
         self.counts = (1, max_threads)
-        self.fixed = fixed
-        self.busy = fixed or 1
+        self.learning = not fixed and max_threads > 1
+        self.busy = fixed or 1  # the count while serving several sessions, and the fixed one
         self.mean_seconds: dict[tuple[Hashable, int], float] = {}
         self._tasks: collections.Counter[Hashable] = collections.Counter()
 
     def pick(self, kind: Hashable) -> int:
-        if self.fixed or self.counts[0] == self.counts[1]:
-            return self.fixed or 1
+        if not self.learning:
+            return self.busy
         seen = self._tasks[kind]
         if seen < 2 * self.EXPLORE:
             self._tasks[kind] += 1
@@ -259,8 +259,8 @@ class ThreadChoice:
 
     def preferred(self, kind: Hashable) -> int | None:
         """The count tasks of ``kind`` run on now (None: still exploring)."""
-        if self.fixed or self.counts[0] == self.counts[1]:
-            return self.fixed or 1
+        if not self.learning:
+            return self.busy
         if self._tasks[kind] < 2 * self.EXPLORE:
             return None
         return min(self.counts, key=lambda count: self.mean_seconds[kind, count])
@@ -292,6 +292,10 @@ class _Arrivals:
     @property
     def expected(self) -> float:
         return self.last + self.interval
+
+    def active(self, now: float) -> bool:
+        """Whether the member stepped within the last ``ACTIVE_SECONDS``."""
+        return now - self.last < ACTIVE_SECONDS
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
