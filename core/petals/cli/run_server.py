@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -36,6 +36,9 @@ from petals.server.settings import (
     SettingError,
     describe_default,
 )
+
+if TYPE_CHECKING:
+    from petals.server.metrics import NoMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -215,10 +218,9 @@ def serve_command(model: str | None, **options: Any) -> None:
         metrics_address = options.pop("metrics_host"), options.pop("metrics_port")
         settings = settings_from_cli(model, options)
         if settings is not None:
-            from petals.server.metrics import start_metrics_server
+            from petals.server.metrics import ServerMetrics
 
-            start_metrics_server(*metrics_address)
-            run_server(settings)
+            run_server(settings, ServerMetrics.serve(*metrics_address))
     finally:
         gc.enable()
 
@@ -304,12 +306,12 @@ def check_local_path(name: str, what: str = "model") -> None:
         )
 
 
-def run_server(settings) -> NoReturn:
+def run_server(settings: ServerSettings, metrics: NoMetrics) -> NoReturn:
     """Run until SIGINT/SIGTERM (see ``petals.cli.stopping``), then exit 0."""
     from petals.cli.stopping import StopSignals, exit_without_teardown
     from petals.server.server import Server
 
-    server = Server(settings)
+    server = Server(settings, metrics)
 
     async def main() -> None:
         StopSignals(server.stop).install()
