@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -223,6 +223,18 @@ def serve_command(model: str | None, **options: Any) -> None:
             run_server(settings, ServerMetrics.serve(*metrics_address))
     finally:
         gc.enable()
+
+
+def settings_from_argv(argv: Sequence[str]) -> ServerSettings:
+    """The settings ``petals serve ARGV`` would serve with (for a server run in-process, as tests do)."""
+    with serve_command.make_context("petals serve", list(argv)) as context:
+        options = dict(context.params)
+    options.pop("metrics_host"), options.pop("metrics_port")
+    model = apply_original_options(options.pop("model"), options)
+    settings = settings_from_cli(model, options)
+    if settings is None:
+        raise click.UsageError("--throughput dry_run serves nothing")
+    return settings
 
 
 def settings_from_cli(model: str, options: dict[str, Any]) -> ServerSettings | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from hivemind.dht import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
@@ -65,11 +65,13 @@ class Server:
         self.stop = asyncio.Event()
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
         self.using_relay = False  # set on joining: reachable only through a relay
+        self.peer_id: PeerID | None = None  # set on joining
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
         started = time.perf_counter()
         p2p = await self.settings.network.create_p2p()
+        self.peer_id = p2p.peer_id
         node = None
         try:
             node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
