@@ -86,9 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         check_swarm(cpu)
     except ImageTestError as error:
-        print(f"\nimage-test FAILED: {error}", flush=True)
+        say(f"\nimage-test FAILED: {error}")
         return 1
-    print(f"\nimage-test passed in {time.monotonic() - started:.0f} s", flush=True)
+    say("")
+    for image in filter(None, (cpu, cuda)):
+        say(f"{image.tag}: {image.size / 1e9:.2f} GB{' (' + image.note + ')' if image.note else ''}")
+    say(f"image-test passed in {time.monotonic() - started:.0f} s")
     return 0
 
 
