@@ -1,7 +1,7 @@
 """Run a command from a container image's mounted root file system, as ``docker run`` would start it.
 
-For machines where no container runtime can start containers (``make image-test`` here: crun fails on
-hybrid cgroups). ``deploy/image_test.py`` mounts the image (``podman image mount``, read-only) and
+For machines where no container runtime can start containers (``make image-test`` here: ``podman run``
+ends in crun's "setrlimit RLIMIT_NOFILE: Operation not permitted"). ``deploy/image_test.py`` mounts the image (``podman image mount``, read-only) and
 starts this module, which
 
 - enters a mount namespace of its own, so that every mount below disappears with its last process
