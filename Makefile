@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint demo bench reliability clean
+.PHONY: install test lint demo bench reliability image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: $(INSTALLED)
 # attacks and faults against a real local swarm (seeded, bounded): python -m benchmarks.reliability
 reliability: $(INSTALLED)
 	$(BIN)/python -m benchmarks.reliability
+
+# the container images in deploy/ built (podman, on a Debian base from debootstrap, both installed from
+# Debian's packages when missing) and run in a local swarm: minutes, so not part of `make test`
+image-test: $(INSTALLED)
+	command -v podman >/dev/null && command -v debootstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman debootstrap >/dev/null; }
+	$(BIN)/python deploy/image_test.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
