@@ -85,6 +85,7 @@ def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _readable_by_all(staging)  # mkdtemp's 0700 would hide it from other users (a container's, say)
         staging.rename(target)  # atomic: a half-written model is never seen as ready
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
@@ -92,3 +93,10 @@ def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
             raise
     logger.info("Prepared %s in %s", DEMO_MODEL_NAME, target)
     return target
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Public weights, laid out as any model directory is: folders 0755, files 0644."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
