@@ -8,7 +8,6 @@ numpy sees the buffer). A malformed message raises ``WireError``, whose text goe
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -20,8 +19,6 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from petals.bounded_msgpack import check_msgpack
-
-logger = logging.getLogger(__name__)
 
 MAX_UNARY_PAYLOAD_SIZE = (
     2 * 1024**2
@@ -203,25 +200,6 @@ def _declared_bytes(part: runtime_pb2.Tensor) -> int:
         numel *= dim
     dtype = WIRE_DTYPES.get(part.dtype)
     return numel * (dtype.itemsize if dtype is not None else 1)
-
-
-def limit_message_size(max_bytes: int) -> None:
-    """Refuse any single P2P stream message longer than ``max_bytes`` before reading its body.
-
-    hivemind reads a stream message whole, however long its 8-byte length header says it is, before
-    a handler sees it; unary calls are capped by the daemon, streams are not. A server calls this
-    once with the largest request its limits allow.
-    """
-    from hivemind.p2p import P2P
-
-    async def receive_raw_data(reader) -> bytes:
-        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-        if length > max_bytes:
-            logger.info("Refused a %d-byte stream message (this server's limit: %d bytes)", length, max_bytes)
-            raise MessageTooLarge(f"a {length}-byte message exceeds this server's limit of {max_bytes} bytes")
-        return await reader.readexactly(length)
-
-    P2P.receive_raw_data = staticmethod(receive_raw_data)
 
 
 class MessageTooLarge(WireError):

@@ -26,6 +26,7 @@ import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids, parse_uid_chain
 from petals.kv_cache import OutOfPagesError
+from petals.patches import limit_inbound_message_size
 from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.cache_budget import AllocationFailed, CacheBudget
@@ -40,7 +41,6 @@ from petals.wire import (
     cut,
     deserialize_tensors,
     is_dummy,
-    limit_message_size,
     read_metadata,
     read_stream,
     response_parts,
@@ -133,7 +133,7 @@ class TransformerConnectionHandler(ServicerBase):
             limits.max_batch_size, blocks.hidden_size, len(blocks.backends)
         )
         # one message holds a whole inference step, or one part of a stream (Petals: up to 4 MiB)
-        limit_message_size(max(self.max_request_bytes, MAX_STREAM_PART_BYTES + 2**16))
+        limit_inbound_message_size(self.p2p, max(self.max_request_bytes, MAX_STREAM_PART_BYTES + 2**16))
         logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_quiet_refusals)
         # counters, reported under the extra rpc_info key "stats" (stock Petals peers ignore it)
         self.stats = dict.fromkeys(
@@ -605,7 +605,7 @@ QUIET = (*REFUSALS, Refusal)
 
 def _quiet_refusals(record: logging.LogRecord) -> bool:
     """hivemind logs every exception of a stream handler as a WARN traceback; refusals are a peer's
-    mistake, already logged once (by ``_reporting`` or ``limit_message_size``), so drop those records."""
+    mistake, already logged once (by ``_reporting`` or ``limit_inbound_message_size``), so drop those records."""
     return not (record.exc_info and isinstance(record.exc_info[1], QUIET))
 
 
