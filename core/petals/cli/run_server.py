@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -99,30 +99,40 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str | No
 
 
 class WordsOption(click.Option):
-    """``--option a b c`` as in Petals' argparse ``nargs="+"``: the words up to the next option.
-
-    (Repeating the option or quoting ``"a b c"`` works as well.)
-    """
-
-    def add_to_parser(self, parser, ctx: click.Context) -> None:
-        super().add_to_parser(parser, ctx)
-        for name in self.opts:
-            parsed = parser._long_opt[name]  # click has no public hook for variadic options
-            parsed.process = _taking_following_words(parsed.process)
+    """``--option a b c`` as in Petals' argparse ``nargs="+"``: the words up to the next option, which
+    ``ServeCommand`` spreads into a repeated option before click parses. (Repeating the option or
+    quoting ``"a b c"`` works as well.)"""
 
 
-def _taking_following_words(process):
-    def process_words(value, state) -> None:
-        process(value, state)
-        while state.rargs and not state.rargs[0].startswith("-"):
-            process(state.rargs.pop(0), state)
+class ServeCommand(PetalsCommand):
+    """``petals serve``'s command: a ``PetalsCommand`` whose ``WordsOption`` take several words."""
 
-    return process_words
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        names = {name for param in self.params if isinstance(param, WordsOption) for name in param.opts}
+        return super().parse_args(ctx, spread_words(args, names))
+
+
+def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
+    """``--opt a b c`` → ``--opt a --opt b --opt c`` for the options in ``names`` (none after ``--``)."""
+    spread: list[str] = []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        spread.append(arg)
+        if arg == "--":
+            return spread + rest
+        name, equals, _ = arg.partition("=")
+        if name in names:
+            if not equals and rest:
+                spread.append(rest.pop(0))  # its first value, taken as click takes it
+            while rest and not rest[0].startswith("-"):
+                spread += [name, rest.pop(0)]
+    return spread
 
 
 @click.command(
     "serve",
-    cls=PetalsCommand,
+    cls=ServeCommand,
     context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]},
 )
 @click.argument("model", required=False)
