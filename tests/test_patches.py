@@ -4,10 +4,12 @@ client streams alone."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2PContext, P2PHandlerError
@@ -19,6 +21,14 @@ from petals import patches
 from petals.bounded_msgpack import MsgpackLimitError
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
 from petals.testing.malformed import nested_tuples
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES_MODULE = ROOT / "core" / "petals" / "patches.py"
+SOURCES = sorted(
+    path
+    for pattern in ("core/petals/**/*.py", "petals_*/petals_*/**/*.py", "plugins/*/petals_*/**/*.py")
+    for path in ROOT.glob(pattern)
+)
 
 
 def test_every_patch_declares_what_it_replaces_and_the_versions_it_was_written_for():
@@ -55,6 +65,87 @@ def test_patches_are_applied_once():
     assert MSGPackSerializer.loads is loads
     with pytest.raises(MsgpackLimitError):  # checked before the C decoder would overflow its stack
         MSGPackSerializer.loads(nested_tuples(200))
+
+
+# ---- nothing else assigns into a third-party module or class -----------------------------------
+
+
+def assignments_into_third_party_code(source: str) -> list[str]:
+    """Attribute assignments (``=``, ``+=``, ``del``, ``setattr``/``delattr``) whose target is reached
+    from a name this module imported from a package other than petals."""
+    tree = ast.parse(source)
+    imported: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(alias.asname or alias.name).split(".")[0]: alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported |= {alias.asname or alias.name: node.module for alias in node.names}
+    third_party = {name for name, module in imported.items() if module.split(".")[0] != "petals"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"setattr", "delattr"}
+        ):
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Attribute) and _root_name(target) in third_party:
+                found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Subscript | ast.Call):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def test_no_module_but_petals_patches_assigns_into_a_third_party_module_or_class():
+    assert len(SOURCES) > 50 and PATCHES_MODULE in SOURCES
+    found = {
+        str(path.relative_to(ROOT)): assignments
+        for path in SOURCES
+        if path != PATCHES_MODULE and (assignments := assignments_into_third_party_code(path.read_text()))
+    }
+    assert found == {}, "patch third-party code in petals/patches.py only, with its version check"
+
+
+def test_the_check_finds_patches_and_leaves_our_own_objects_alone():
+    patching = """
+import asyncio.subprocess
+import torch.nn as nn
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind import p2p
+nn.Module.register_parameter = lambda *args: None
+MSGPackSerializer.loads = staticmethod(len)
+asyncio.subprocess.create_subprocess_exec = None
+setattr(p2p.P2P, "receive_raw_data", None)
+del nn.Linear.forward
+"""
+    assert len(assignments_into_third_party_code(patching)) == 5
+    ours = """
+import os
+import torch
+from petals import wire
+from petals.config import LazyClass
+os.environ["PETALS_LOG_LEVEL"] = "DEBUG"
+module = torch.nn.Linear(1, 1)
+module.weight = None
+setattr(module, "bias", None)
+wire.MAX_STREAM_PART_BYTES = 1
+LazyClass.path = "x"
+"""
+    assert assignments_into_third_party_code(ours) == []
+    assert (
+        len(assignments_into_third_party_code(PATCHES_MODULE.read_text())) >= 2
+    )  # it does find the real ones
 
 
 # ---- the message-size limit belongs to one server's P2P -----------------------------------------
