@@ -2,10 +2,11 @@
 
 hivemind's ``MSGPackSerializer`` decodes its tuple ext type (and the DHT's dictionary values) by
 calling ``msgpack.unpackb`` again from inside the ext hook, so every nested tuple costs one more
-C-level unpack frame. Measured here: 200 nested tuples (938 bytes) overflow the 8 MiB main-thread
-stack and the process dies with SIGSEGV, which no ``except`` can catch; 100 decode fine. The same
-serializer decodes RPC metadata and every DHT key, subkey and value, so one small request or one
-stored record could kill every server and client that reads it.
+C-level unpack frame. Less than a kilobyte of nested tuples overflows the main thread's stack and the
+process dies with SIGSEGV, which no ``except`` can catch (``tests/test_bounded_msgpack.py`` shows it
+in a subprocess, with ``petals.testing.malformed.nested_tuples``). The same serializer decodes RPC
+metadata and every DHT key, subkey and value, so one small request or one stored record could kill
+every server and client that reads it.
 
 ``check_msgpack`` walks the bytes without recursion (an explicit stack, descending into hivemind's
 ext payloads) and refuses anything deeper than ``MAX_DEPTH`` or larger than ``MAX_BYTES`` before

@@ -336,10 +336,10 @@ def run_server(settings) -> NoReturn:
 async def collect_startup_garbage(online: asyncio.Event) -> None:
     """Once the server is ONLINE, free the garbage of starting it and turn the cyclic GC back on.
 
-    Starting creates ~650k objects that live as long as the process (imported modules, mostly);
-    with the GC on, Python traverses them in ~6 full collections while importing, ~0.6 s of a 3 s
-    start, and finds ~10k objects (~7 MiB) of garbage. ``serve_command`` turns the GC off instead,
-    and this one collection after going ONLINE (~0.3 s) frees that garbage.
+    Starting creates hundreds of thousands of objects that live as long as the process (imported
+    modules, mostly); with the GC on, Python traverses all of them in every full collection that
+    importing triggers, to find little garbage. ``serve_command`` turns the GC off instead, and this
+    one collection after going ONLINE frees that garbage (``benchmarks.server_start`` times a start).
     """
     await online.wait()
     resume_gc()
@@ -356,7 +356,8 @@ def release_free_heap() -> None:
     """Hand memory that is free but still held by malloc back to the OS (glibc only; else a no-op).
 
     glibc keeps freed heap pages for reuse; after the startup collection (and a throughput
-    measurement's random block) that is ~7-10 MiB of a server's resident memory.
+    measurement's random block) they would stay in a server's resident memory
+    (``benchmarks.server_memory`` measures what a serving server keeps).
     """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
