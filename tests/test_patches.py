@@ -19,6 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from petals import patches
 from petals.bounded_msgpack import MsgpackLimitError
+from petals.cli.errors import explain
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
 from petals.testing.malformed import nested_tuples
 
@@ -56,6 +57,7 @@ def test_an_untested_version_is_refused_in_one_line_and_nothing_is_patched():
     assert f"hivemind {importlib.metadata.version('hivemind')} is installed" in message
     assert "pip install 'hivemind==0.0.1'" in message
     assert installed == []
+    assert explain(refusal.value) == message  # a petals command ends with it as its one error line
 
 
 def test_patches_are_applied_once():

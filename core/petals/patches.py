@@ -3,8 +3,8 @@
 hivemind 1.1.12 offers no option for three things petals needs, so petals changes its behaviour:
 
 * ``MSGPackSerializer.loads`` checks nesting depth and size first (``petals.bounded_msgpack``): the
-  DHT decodes every key, subkey and value through this class attribute, and a few hundred bytes of
-  nested tuples overflow the C stack of whoever decodes them;
+  DHT decodes every key, subkey and value through this class attribute, and less than a kilobyte of
+  nested tuples overflows the C stack of whoever decodes them;
 * ``P2P.create`` starts p2pd in a session of its own (``p2pd_started_apart``), so that a signal to
   our process group reaches only the Python side, which can then still announce OFFLINE through
   the daemon (``petals.network.p2p``);
