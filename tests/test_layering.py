@@ -86,3 +86,21 @@ def test_the_network_layer_imports_nothing_above_it(above):
     network = modules_under("network")
     assert {"petals.network.p2p", "petals.network.client", "petals.network.rpc"} <= set(network)
     assert offenders(network, above) == {}
+
+
+ENGINE_MODULES = (
+    "petals.server.engine",
+    "petals.server.scheduler",
+    "petals.server.sessions",
+    "petals.server.validation",
+    "petals.server.cache_budget",
+    "petals.server.backend",
+    "petals.kv_cache",
+)
+
+
+@pytest.mark.parametrize("transport", ["hivemind", "petals.server.handler", "petals.network"])
+def test_the_serving_engine_knows_no_transport(transport):
+    engine = {module: imports for module, imports in modules_under().items() if module in ENGINE_MODULES}
+    assert set(engine) == set(ENGINE_MODULES)
+    assert offenders(engine, transport) == {}

@@ -14,8 +14,8 @@ import petals
 from conftest import LOOPBACK_CLIENT, running_swarm
 from petals.auto import AutoDistributedConfig
 from petals.client.inference_session import InferenceSession
-from petals.client.inference_session import _ServerSession as ServerSession
 from petals.client.routing import RemoteSequenceManager
+from petals.client.server_session import ServerSession
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
 from petals.testing.wire_client import WireClient, make_request
 

@@ -13,7 +13,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from petals.data_structures import make_uids
-from petals.server.handler import max_request_bytes
+from petals.server.validation import max_request_bytes
 from petals.testing.swarm import start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
 from petals.wire import request_parts, write_metadata

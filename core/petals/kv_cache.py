@@ -365,10 +365,7 @@ class BlockCache(PagedCache):
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``."""
-        if hypo_ids.shape != (self.num_sequences,):
-            raise ValueError(f"hypo_ids must have shape ({self.num_sequences},), got {tuple(hypo_ids.shape)}")
-        if hypo_ids.numel() and not (0 <= int(hypo_ids.min()) and int(hypo_ids.max()) < self.num_sequences):
-            raise ValueError(f"hypo_ids must be in [0, {self.num_sequences}), got {hypo_ids.tolist()}")
+        check_hypo_ids(hypo_ids, self.num_sequences)
         slots = self.slots(0, self.length)
         sources = slots[hypo_ids.to(slots.device)].flatten()
         self.pool.keys[slots.flatten()] = self.pool.keys[sources]
@@ -383,6 +380,14 @@ class BlockCache(PagedCache):
                 table.clear()
         self.length = 0
         self._table_tensor, self._contiguous = None, _UNKNOWN
+
+
+def check_hypo_ids(hypo_ids: torch.Tensor, num_sequences: int) -> None:
+    """``ValueError`` unless ``hypo_ids`` has shape ``[num_sequences]`` and picks rows of the batch."""
+    if hypo_ids.shape != (num_sequences,):
+        raise ValueError(f"hypo_ids must have shape ({num_sequences},), got {tuple(hypo_ids.shape)}")
+    if hypo_ids.numel() and not (0 <= int(hypo_ids.min()) and int(hypo_ids.max()) < num_sequences):
+        raise ValueError(f"hypo_ids must be in [0, {num_sequences}), got {hypo_ids.tolist()}")
 
 
 def _grouped(states: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:

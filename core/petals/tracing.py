@@ -40,10 +40,15 @@ class StepTrace:
     """Named durations (seconds) of one step, summed per name, in the order first recorded."""
 
     __slots__ = ("marks", "times")
+    enabled = True
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         self.marks: dict[str, float] = {}  # moments (perf_counter) that other threads' timings refer to
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
 
     def mark(self, name: str) -> float:
         self.marks[name] = now = time.perf_counter()
@@ -61,6 +66,51 @@ class StepTrace:
     def merge(self, prefix: str, times: dict[str, float]) -> None:
         for name, seconds in times.items():
             self.add(f"{prefix}{name}", seconds)
+
+    def add_compute_queue(self) -> None:
+        """A server step's wait for the compute thread, and its hand-back to the event loop (from its marks)."""
+        marks = self.marks
+        if "compute started" in marks:
+            self.add("queue wait", marks["compute started"] - marks["queued"])
+            self.add("hand-back to event loop", self.now() - marks["compute ended"])
+
+
+def server_step_trace(arrived: float) -> StepTrace:
+    """A server step's trace, begun as the step leaves its session's inbox (``arrived``: when it came, or 0)."""
+    trace = StepTrace()
+    dequeued = trace.mark("dequeued")
+    trace.marks["arrived"] = arrived or dequeued
+    trace.add("arrival to dequeue", dequeued - trace.marks["arrived"])
+    return trace
+
+
+class _NoTrace(StepTrace):
+    """What an untraced step records: nothing, and no clock is read."""
+
+    __slots__ = ()
+    enabled = False
+
+    @staticmethod
+    def now() -> float:
+        return 0.0
+
+    def mark(self, name: str) -> float:
+        return 0.0
+
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
+    def add_since(self, name: str, started: float) -> float:
+        return 0.0
+
+    def merge(self, prefix: str, times: dict[str, float]) -> None:
+        pass
+
+    def add_compute_queue(self) -> None:
+        pass
+
+
+NO_TRACE: StepTrace = _NoTrace()  # shared by every untraced step: it never holds anything
 
 
 class StepLog:

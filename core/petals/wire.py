@@ -312,3 +312,17 @@ def _resolve_marker(tensors: list[torch.Tensor], marker: Any) -> torch.Tensor:
 def is_dummy(tensor: torch.Tensor) -> bool:
     """Petals' placeholder for "no tensor here" (no prompts, no hypo_ids): an empty tensor."""
     return tensor.numel() == 0
+
+
+def block_schemas(hidden_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The per-block part of ``rpc_info``: the tensor schemas Petals servers describe their blocks with."""
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    hidden = BatchTensorDescriptor(1, 2048, hidden_size, dtype=dtype, compression=NONE)
+    inference = (hidden, BatchTensorDescriptor((), dtype=dtype), BatchTensorDescriptor((), dtype=torch.int64))
+    return {
+        "forward_schema": ((hidden,), {}),
+        "outputs_schema": (hidden,),
+        "keyword_names": (),
+        "inference_schema": (inference, {}),
+    }

@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -36,6 +36,9 @@ from petals.server.settings import (
     SettingError,
     describe_default,
 )
+
+if TYPE_CHECKING:
+    from petals.server.metrics import NoMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +228,23 @@ def serve_command(model: str | None, **options: Any) -> None:
         metrics_address = options.pop("metrics_host"), options.pop("metrics_port")
         settings = settings_from_cli(model, options)
         if settings is not None:
-            from petals.server.metrics import start_metrics_server
+            from petals.server.metrics import ServerMetrics
 
-            start_metrics_server(*metrics_address)
-            run_server(settings)
+            run_server(settings, ServerMetrics.serve(*metrics_address))
     finally:
         gc.enable()
+
+
+def settings_from_argv(argv: Sequence[str]) -> ServerSettings:
+    """The settings ``petals serve ARGV`` would serve with (for a server run in-process, as tests do)."""
+    with serve_command.make_context("petals serve", list(argv)) as context:
+        options = dict(context.params)
+    options.pop("metrics_host"), options.pop("metrics_port")
+    model = apply_original_options(options.pop("model"), options)
+    settings = settings_from_cli(model, options)
+    if settings is None:
+        raise click.UsageError("--throughput dry_run serves nothing")
+    return settings
 
 
 def settings_from_cli(model: str, options: dict[str, Any]) -> ServerSettings | None:
@@ -314,12 +328,12 @@ def check_local_path(name: str, what: str = "model") -> None:
         )
 
 
-def run_server(settings) -> NoReturn:
+def run_server(settings: ServerSettings, metrics: NoMetrics) -> NoReturn:
     """Run until SIGINT/SIGTERM (see ``petals.cli.stopping``), then exit 0."""
     from petals.cli.stopping import StopSignals, exit_without_teardown
     from petals.server.server import Server
 
-    server = Server(settings)
+    server = Server(settings, metrics)
 
     async def main() -> None:
         StopSignals(server.stop).install()

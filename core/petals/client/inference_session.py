@@ -12,230 +12,43 @@ dead server (Petals issue #587).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hivemind.proto import runtime_pb2
 
 from petals import tracing
-from petals.client.routing import MissingBlocksError, RemoteSequenceManager, ServerMisbehaved
+from petals.client.routing import MissingBlocksError, RemoteSequenceManager
+from petals.client.server_session import ServerSession, close_all, spawn
 from petals.data_structures import RemoteSpanInfo
-from petals.network.rpc import open_inference_stream
-from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
+from petals.tracing import NO_TRACE, StepTrace
 
 logger = logging.getLogger(__name__)
 
-EMPTY = torch.empty(0)
-EMPTY_IDS = torch.empty(0, dtype=torch.int64)
-# one step's (hidden states, deep prompts or None, beam reorder ids or None)
-StepTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-# most steps send no prompts and no hypo_ids: their placeholders are serialized once
-EMPTY_PROTO, EMPTY_IDS_PROTO = serialize_tensor(EMPTY), serialize_tensor(EMPTY_IDS)
 ON_NETWORK_LOOP = "client: on network loop"  # the step's time on the loop thread (serialization, waits)
 
 
-class _ServerSession:
-    """One open ``rpc_inference`` stream to the server computing ``span`` (blocks ``[start, end)``)."""
+@dataclass
+class ChainPosition:
+    """How far one step has come through the chain of server sessions."""
 
-    def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int) -> None:
-        self.manager, self.span, self.max_length = manager, span, max_length
-        self.session_id = str(uuid.uuid4())
-        self._history: list[torch.Tensor] = []  # everything this server was sent, step by step
-        self.position = 0
-        self._start_from: int | None = None  # a rollback the server learns with the next step
-        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
-        self._opening_sent = False  # the first request carries the session's parameters
-        self._unanswered = 0  # answers to skip before the next step's: the empty opening step's
-        self._open_error: BaseException | None = None  # from opening ahead, raised by the first step
+    index: int = 0  # the server session it goes to next
+    block: int = 0  # the first block it has not passed yet
+    attempt: int = 0  # failed tries since it last passed a server
+    # the states of the session's earlier positions at ``block``: what a fresh server there must be replayed
+    replay: torch.Tensor | None = None
 
-    async def open_ahead(self, batch_size: int, hidden_size: int, dtype: torch.dtype) -> None:
-        """Open the stream and the server's session now, with an empty step (legal in Petals' protocol:
-        it allocates without computing), and do not wait for its answer. All servers of a route
-        are opened this way at once, so the first step can already be pushed from server to server.
-        A failure is kept and raised by the first step, which then fails over as usual."""
-        try:
-            empty = torch.empty(batch_size, 0, hidden_size, dtype=dtype)
-            request = self._request((empty, None, None), str(uuid.uuid4()), None, False)
-            await self._open_stream()
-            self._requests.put_nowait(request)
-            self._unanswered += 1
-        except Exception as error:
-            self._open_error, self._opening_sent = error, False
-
-    @property
-    def history(self) -> torch.Tensor | None:
-        """``[batch, position, hidden]``: the inputs of this span's first block so far."""
-        if len(self._history) > 1:
-            self._history = [torch.cat(self._history, dim=1)]
-        return self._history[0] if self._history else None
-
-    async def _request_stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while (request := await self._requests.get()) is not None:
-            yield request
-
-    async def step(
-        self,
-        tensors: StepTensors,
-        step_id: str,
-        next_servers: list[list[Any]] | None,
-        trace: tracing.StepTrace | None = None,
-        name: str = "server",
-    ) -> torch.Tensor:
-        """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``."""
-        started = time.perf_counter() if trace is not None else 0.0
-        hidden = tensors[0]
-        request = self._request(tensors, step_id, next_servers, trace is not None)
-        if trace is not None:
-            started = trace.add_since("client: serialization", started)
-        response = await self._exchange(request, tokens=hidden.shape[0] * hidden.shape[1])
-        if trace is not None:
-            trace.add_since(f"client: wait for {name}", started)
-            self._record_server_trace(response, trace, name)
-            started = time.perf_counter()
-        output = self._accept(response, hidden)
-        if trace is not None:
-            trace.add_since("client: serialization", started)
-        return output.to(hidden.dtype)
-
-    def _request(
-        self,
-        tensors: StepTensors,
-        step_id: str,
-        next_servers: list[list[Any]] | None,
-        traced: bool,
-    ) -> runtime_pb2.ExpertRequest:
-        """The message of one step, from its ``(hidden, prompts, hypo_ids)``; the stream's first one
-        also opens the server's session."""
-        hidden, prompts, hypo_ids = tensors
-        _, args_structure = pack_args_kwargs(
-            hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
-        )
-        protos = [
-            serialize_tensor(hidden),
-            EMPTY_PROTO if prompts is None else serialize_tensor(prompts),
-            EMPTY_IDS_PROTO if hypo_ids is None else serialize_tensor(hypo_ids),
-        ]
-        metadata: dict[str, Any] = {
-            "session_id": self.session_id,
-            "step_id": step_id,
-            "args_structure": args_structure,
-        }
-        if not self._opening_sent:
-            self._opening_sent = True
-            config = self.manager.config
-            metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
-        if self._start_from is not None:
-            metadata["start_from_position"] = self._start_from
-        if next_servers:
-            metadata["next_servers"] = next_servers
-        if traced:
-            metadata["trace"] = True
-        return runtime_pb2.ExpertRequest(
-            uid=self.manager.chain_uid(self.span.start, self.span.end),
-            tensors=protos,
-            metadata=write_metadata(metadata),
-        )
-
-    async def _exchange(self, request: runtime_pb2.ExpertRequest, tokens: int) -> runtime_pb2.ExpertResponse:
-        """Send ``request`` (opening the stream first) and wait for its answer within the step deadline."""
-        if self._open_error is not None:
-            error, self._open_error = self._open_error, None
-            raise error
-        await self._open_stream()
-        deadlines = self.manager.step_deadlines
-        sent = time.perf_counter()
-        self._requests.put_nowait(request)
-        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
-            while self._unanswered:  # the opening step's answer comes first: nothing to read in it
-                await anext(self._responses)
-                self._unanswered -= 1
-            response = await anext(self._responses)
-        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
-        return response
-
-    async def _open_stream(self) -> None:
-        if self._responses is None:
-            self._responses = await asyncio.wait_for(
-                open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
-                self.manager.config.connect_timeout,
-            )
-
-    def _accept(self, response: runtime_pb2.ExpertResponse, hidden: torch.Tensor) -> torch.Tensor:
-        """The server's output for ``hidden``, checked; the step now counts as done on this server."""
-        if len(response.tensors) != 1:
-            raise ServerMisbehaved(
-                f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
-            )
-        output = deserialize_tensor(response.tensors[0])
-        if output.shape != hidden.shape:
-            raise ServerMisbehaved(
-                f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
-            )
-        self._history.append(hidden)
-        self.position += hidden.shape[1]
-        self._start_from = None
+    def passed(self, session: ServerSession, output: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """``session`` answered with ``output``: move past it; returns the step's states at the new block."""
+        if fresh:  # the replayed positions come first in a fresh server's answer
+            self.replay, output = output[:, : self.replay.shape[1]], output[:, self.replay.shape[1] :]
+        else:
+            self.replay = None
+        self.block, self.index, self.attempt = session.span.end, self.index + 1, 0
         return output
-
-    @staticmethod
-    def _record_server_trace(
-        response: runtime_pb2.ExpertResponse, trace: tracing.StepTrace, name: str
-    ) -> None:
-        """The server's own timings of this step, when it traces (``PETALS_TRACE`` on the server too)."""
-        try:
-            times = read_metadata(response.metadata).get("server_trace")
-        except ValueError:
-            return
-        if isinstance(times, dict):
-            trace.merge(f"{name}: ", {k: v for k, v in times.items() if isinstance(v, int | float)})
-
-    def reorder(self, hypo_ids: torch.Tensor) -> None:
-        if self._history:
-            self._history = [self.history[hypo_ids]]
-
-    def rollback(self, position: int) -> None:
-        """Forget the positions from ``position`` on; the next step tells the server (``start_from_position``)."""
-        if position < self.position:
-            self._history = [self.history[:, :position]] if position else []
-            self.position = self._start_from = position
-
-    async def close(self) -> None:
-        """End the stream politely (an empty request) without waiting for the server's end of it.
-
-        The server frees the session's cache when it reads the end of the stream; waiting for its
-        answer would cost the caller a round trip per generation, so the answer is drained in the
-        background (for at most a second: a dead server never answers).
-        """
-        if self._responses is None:
-            return
-        self._requests.put_nowait(runtime_pb2.ExpertRequest())
-        self._requests.put_nowait(None)
-        responses, self._responses = self._responses, None
-        task = asyncio.ensure_future(_drain_briefly(responses))
-        _DRAINING.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(_DRAINING.discard)
-
-
-async def _close_all(sessions: list[_ServerSession]) -> None:
-    await asyncio.gather(*(session.close() for session in sessions))
-
-
-_DRAINING: set[asyncio.Task] = set()
-
-
-async def _drain_briefly(responses: AsyncIterator) -> None:
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(_drain(responses), 1.0)
-
-
-async def _drain(responses: AsyncIterator) -> None:
-    async for _ in responses:
-        pass
 
 
 class InferenceSession:
@@ -250,7 +63,7 @@ class InferenceSession:
         self.position = 0
         self.output_ids: torch.Tensor | None = None  # tokens seen so far (kept by generate)
         self.pending_hypo_ids: torch.Tensor | None = None  # a beam reorder for the next step
-        self._sessions: list[_ServerSession] = []
+        self._sessions: list[ServerSession] = []
         self._first_prompts: torch.Tensor | None = None  # deep prompts of position 0, replayed on failover
         self.prompt_length = 0  # trainable prompt positions in front of the tokens (set by the model)
         self._closed = False
@@ -271,7 +84,7 @@ class InferenceSession:
         if not self._closed:
             self._closed = True
             sessions, self._sessions = self._sessions, []
-            self.manager.network.run(_close_all(sessions), timeout=30)
+            self.manager.network.run(close_all(sessions), timeout=30)
             tracing.log_session(self._traced_steps)
 
     def rollback(self, position: int) -> None:
@@ -347,11 +160,9 @@ class InferenceSession:
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-        trace: tracing.StepTrace | None = None,
+        trace: StepTrace = NO_TRACE,
     ) -> torch.Tensor:
-        if trace is None:
-            return await self._run_step(hidden, prompts, hypo_ids, None)
-        started = time.perf_counter()
+        started = trace.now()
         try:
             return await self._run_step(hidden, prompts, hypo_ids, trace)
         finally:
@@ -362,8 +173,9 @@ class InferenceSession:
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-        trace: tracing.StepTrace | None,
+        trace: StepTrace,
     ) -> torch.Tensor:
+        """The step through every block: server session after server session, failing over where one fails."""
         if hypo_ids is not None:
             for session in self._sessions:
                 session.reorder(hypo_ids)
@@ -372,55 +184,50 @@ class InferenceSession:
         if self.position == 0:
             self._first_prompts = prompts
         step_id = str(uuid.uuid4())
-        num_blocks = len(self.manager)
-        replay: torch.Tensor | None = (
-            None  # earlier positions' states at the current boundary, for a fresh server
-        )
-        index, block, attempt = 0, 0, 0
-        while block < num_blocks:
+        at = ChainPosition()
+        while at.block < len(self.manager):
             try:
-                if index == len(self._sessions):
-                    self._sessions.extend(await self._open(block, num_blocks, hidden))
-                session = self._sessions[index]
+                if at.index == len(self._sessions):
+                    self._sessions.extend(await self._open(at.block, len(self.manager), hidden))
+                session = self._sessions[at.index]
                 fresh = session.position == 0 and self.position > 0
-                if fresh and replay is None:
-                    raise RuntimeError(
-                        f"no history to replay for blocks {session.span.start}:{session.span.end}"
-                    )
-                inputs = torch.cat([replay, hidden], dim=1) if fresh else hidden
-                # a replay starts at position 0, so it carries the deep prompts sent with position 0
-                step_prompts = self._first_prompts if fresh else prompts
-                span_prompts = (
-                    step_prompts[session.span.start : session.span.end] if step_prompts is not None else None
-                )
-                output = await session.step(
-                    (inputs, span_prompts, None if fresh else hypo_ids),
-                    step_id,
-                    None if fresh else self._next_servers(index),
-                    trace,
-                    _server_name(index, len(self._sessions)),
-                )
+                output = await self._step_on(session, at, fresh, (hidden, prompts, hypo_ids), step_id, trace)
                 self.manager.on_request_success(session.span.peer_id)
-                if fresh:
-                    replay, hidden = output[:, : replay.shape[1]], output[:, replay.shape[1] :]
-                else:
-                    replay, hidden = None, output
-                block = session.span.end
-                index += 1
-                attempt = 0
+                hidden = at.passed(session, output, fresh)
             except MissingBlocksError:
                 raise
             except Exception as error:
-                replay = await self._fail_over(index, replay, error, attempt)
-                attempt += 1
+                await self._fail_over(at, error)
         return hidden
 
-    async def _open(self, start: int, end: int, hidden: torch.Tensor) -> list[_ServerSession]:
+    async def _step_on(
+        self,
+        session: ServerSession,
+        at: ChainPosition,
+        fresh: bool,
+        tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        step_id: str,
+        trace: StepTrace,
+    ) -> torch.Tensor:
+        """The step on ``session``; a fresh one (a replacement) gets the session's history replayed first."""
+        hidden, prompts, hypo_ids = tensors
+        span = session.span
+        if fresh:
+            if at.replay is None:
+                raise RuntimeError(f"no history to replay for blocks {span.start}:{span.end}")
+            # a replay starts at position 0, so it carries the deep prompts sent with position 0
+            hidden, prompts, hypo_ids = torch.cat([at.replay, hidden], dim=1), self._first_prompts, None
+        span_prompts = prompts[span.start : span.end] if prompts is not None else None
+        next_servers = None if fresh else self._next_servers(at.index)
+        name = _server_name(at.index, len(self._sessions))
+        return await session.step((hidden, span_prompts, hypo_ids), step_id, next_servers, trace, name)
+
+    async def _open(self, start: int, end: int, hidden: torch.Tensor) -> list[ServerSession]:
         """Sessions on a route for blocks ``[start, end)``; on a new route with pushes on, all opened at once."""
         spans = await self.manager.make_sequence(
             start, end, mode="min_latency", cache_tokens_needed=self.max_length
         )
-        sessions = [_ServerSession(self.manager, span, self.max_length) for span in spans]
+        sessions = [ServerSession(self.manager, span, self.max_length) for span in spans]
         if self.position == 0 and len(sessions) > 1 and self.manager.config.use_server_to_server:
             batch_size, _, hidden_size = hidden.shape
             await asyncio.gather(
@@ -428,34 +235,35 @@ class InferenceSession:
             )
         return sessions
 
-    async def _fail_over(
-        self, index: int, replay: torch.Tensor | None, error: BaseException, attempt: int
-    ) -> torch.Tensor | None:
-        """Drop the failed server session (the next loop iteration routes its blocks anew), or raise
+    async def _fail_over(self, at: ChainPosition, error: BaseException) -> None:
+        """Drop the failed server session (the step routes its blocks anew from ``at``), or raise
         ``error`` when the retry policy says that retrying cannot help."""
-        failed = self._sessions[index] if index < len(self._sessions) else None
-        await self.manager.handle_failure(error, failed.span.peer_id if failed is not None else None, attempt)
+        failed = self._sessions[at.index] if at.index < len(self._sessions) else None
+        await self.manager.handle_failure(
+            error, failed.span.peer_id if failed is not None else None, at.attempt
+        )
+        at.attempt += 1
         if failed is None:  # routing itself failed
             logger.warning("Routing failed (%s); retrying", error)
-            return replay
+            return
+        span = failed.span
         logger.warning(
             "Server %s failed on blocks %d:%d (%s: %s); routing around it",
-            failed.span.peer_id,
-            failed.span.start,
-            failed.span.end,
+            span.peer_id,
+            span.start,
+            span.end,
             type(error).__name__,
             error,
         )
         if failed.position > 0:
-            replay = failed.history  # what the failed server had seen: the replacement rebuilds from it
+            at.replay = failed.history  # what the failed server had seen: the replacement rebuilds from it
         spans = await self.manager.make_sequence(
-            failed.span.start, failed.span.end, mode="min_latency", cache_tokens_needed=self.max_length
+            span.start, span.end, mode="min_latency", cache_tokens_needed=self.max_length
         )
-        self._sessions[index : index + 1] = [
-            _ServerSession(self.manager, span, self.max_length) for span in spans
+        self._sessions[at.index : at.index + 1] = [
+            ServerSession(self.manager, s, self.max_length) for s in spans
         ]
-        asyncio.ensure_future(failed.close())
-        return replay
+        spawn(failed.close())
 
     def _next_servers(self, index: int) -> list[list[Any]] | None:
         """Downstream sessions that already hold this session's past, for server-to-server pushes.

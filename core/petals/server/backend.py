@@ -17,8 +17,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from hivemind.proto import runtime_pb2
-from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from transformers import PretrainedConfig
 
 from petals.block import allocate_cache, kv_cache_layout
@@ -108,11 +106,9 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tenso
 
 
 class HostedBlocks:
-    """The consecutive blocks ``[start, end)`` this server serves, by uid, with their wire schemas."""
+    """The consecutive blocks ``[start, end)`` this server serves, by uid."""
 
-    def __init__(
-        self, backends: list[BlockBackend], compression: int = runtime_pb2.CompressionType.NONE
-    ) -> None:
+    def __init__(self, backends: list[BlockBackend]) -> None:
         self.backends = {backend.uid: backend for backend in backends}
         self.start = min(backend.index for backend in backends)
         self.end = max(backend.index for backend in backends) + 1
@@ -120,26 +116,6 @@ class HostedBlocks:
         self.config, self.dtype, self.device = first.config, first.dtype, first.device
         self.hidden_size: int = first.config.hidden_size
         self.bytes_per_token = first.bytes_per_token
-        hidden = BatchTensorDescriptor(1, 2048, self.hidden_size, dtype=self.dtype, compression=compression)
-        self.args_schema = (hidden,)
-        self.outputs_schema = (hidden,)
-        self.inference_schema = (
-            (
-                hidden,
-                BatchTensorDescriptor((), dtype=self.dtype),
-                BatchTensorDescriptor((), dtype=torch.int64),
-            ),
-            {},
-        )
 
     def __len__(self) -> int:
         return len(self.backends)
-
-    def schema_info(self) -> dict:
-        """The per-block part of ``rpc_info`` (the same for every block of the span)."""
-        return {
-            "forward_schema": (self.args_schema, {}),
-            "outputs_schema": self.outputs_schema,
-            "keyword_names": (),
-            "inference_schema": self.inference_schema,
-        }

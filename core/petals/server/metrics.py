@@ -1,23 +1,23 @@
 """A server's own Prometheus metrics, served by ``petals serve --metrics_port N`` (off by default).
 
-The handler and the compute queue call one function of this module per event (a request, a
-failure, an inference step, a compute batch); while metrics are off, each call is one ``None``
-check. What the server already keeps as live state (open sessions, the KV-cache budget, tokens
-computed, merged batches, pushes) is read only when Prometheus scrapes, so it costs the hot path
+Each server owns one ``ServerMetrics`` (two servers in one process share nothing); the handler and
+the engine call one method of it per event (a request, a failure, an inference step, a compute
+batch). With metrics off a server holds ``NO_METRICS``, whose methods do nothing. What the server
+already keeps as live state (open sessions, the KV-cache budget, tokens computed, merged batches,
+pushes) is read from the engine it serves only when Prometheus scrapes, so it costs the hot path
 nothing. prometheus_client (the ``monitor`` extra) is imported only when metrics are turned on.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
 if TYPE_CHECKING:
-    from petals.server.handler import TransformerConnectionHandler
+    from petals.server.engine import ServingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -25,72 +25,36 @@ STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 WAIT_SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
-_recorder: _Recorder | None = None
-_handler: TransformerConnectionHandler | None = None  # the serving span's, read at scrape time
+
+class NoMetrics:
+    """A server's metrics while they are off: every event is ignored."""
+
+    serving: ServingEngine | None = None  # the engine whose state the gauges show (read at scrape time)
+
+    def request_started(self, rpc: str) -> None:
+        pass
+
+    def request_failed(self, rpc: str, kind: str) -> None:
+        """``kind`` is what the peer was told (``wire.ERROR_KINDS``): bad_request, cache_full, internal, ..."""
+
+    def inference_step_done(self, seconds: float) -> None:
+        """An inference step took ``seconds`` from its arrival to its answer."""
+
+    def compute_batch_started(self, now: float, submitted: Sequence[float]) -> None:
+        """The compute thread took, at ``now``, a batch of tasks submitted at these times (same clock)."""
 
 
-def request_started(rpc: str) -> None:
-    if _recorder is not None:
-        _recorder.requests.labels(rpc).inc()
+NO_METRICS = NoMetrics()
 
 
-def request_failed(rpc: str, kind: str) -> None:
-    """``kind`` is what the peer was told (``wire.ERROR_KINDS``): bad_request, cache_full, internal, ..."""
-    if _recorder is not None:
-        _recorder.errors.labels(rpc, kind).inc()
-
-
-def inference_step_done(started: float) -> None:
-    """An inference step that began at ``time.perf_counter() == started`` has its answer."""
-    if _recorder is not None:
-        _recorder.step_seconds.observe(time.perf_counter() - started)
-
-
-def compute_batch_started(submitted: Sequence[float]) -> None:
-    """The compute thread took a batch of tasks submitted at these ``time.perf_counter()`` times."""
-    if _recorder is not None:
-        now = time.perf_counter()
-        for moment in submitted:
-            _recorder.queue_wait_seconds.observe(now - moment)
-        _recorder.batch_size.observe(len(submitted))
-
-
-def serving(handler: TransformerConnectionHandler | None) -> None:
-    """The handler whose sessions, cache budget and counters the gauges show (None while not serving)."""
-    global _handler
-    _handler = handler
-
-
-def start_metrics_server(host: str, port: int | None) -> None:
-    """Start recording and serve ``http://host:port/metrics`` from a background thread (no port: off)."""
-    global _recorder
-    if port is None:
-        return
-    try:
-        from prometheus_client import CollectorRegistry, start_http_server
-    except ImportError:
-        raise click.UsageError(
-            "--metrics_port needs prometheus_client: pip install 'petals-core[monitor]'"
-        ) from None
-    registry = CollectorRegistry()
-    recorder = _Recorder(registry)
-    registry.register(_LiveStateCollector())
-    try:
-        start_http_server(port, addr=host, registry=registry)
-    except OSError as error:
-        raise click.UsageError(
-            f"cannot serve metrics on {host}:{port}: {error.strerror}; pick another --metrics_port"
-        ) from None
-    _recorder = recorder
-    logger.info("Prometheus metrics at http://%s:%d/metrics", host, port)
-
-
-class _Recorder:
-    """The metrics updated per event."""
+class ServerMetrics(NoMetrics):
+    """The metrics of one server, registered on a registry of its own."""
 
     def __init__(self, registry: Any) -> None:
         from prometheus_client import Counter, Histogram
 
+        self.registry = registry
+        self.serving = None
         self.requests = Counter(
             "petals_server_requests",
             "RPC calls received (an inference session counts once)",
@@ -121,41 +85,78 @@ class _Recorder:
             buckets=BATCH_SIZES,
             registry=registry,
         )
+        registry.register(_LiveStateCollector(self))
+
+    @classmethod
+    def serve(cls, host: str, port: int | None) -> NoMetrics:
+        """Metrics served at ``http://host:port/metrics`` from a background thread (no port: ``NO_METRICS``)."""
+        if port is None:
+            return NO_METRICS
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            raise click.UsageError(
+                "--metrics_port needs prometheus_client: pip install 'petals-core[monitor]'"
+            ) from None
+        metrics = cls(CollectorRegistry())
+        try:
+            start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as error:
+            raise click.UsageError(
+                f"cannot serve metrics on {host}:{port}: {error.strerror}; pick another --metrics_port"
+            ) from None
+        logger.info("Prometheus metrics at http://%s:%d/metrics", host, port)
+        return metrics
+
+    def request_started(self, rpc: str) -> None:
+        self.requests.labels(rpc).inc()
+
+    def request_failed(self, rpc: str, kind: str) -> None:
+        self.errors.labels(rpc, kind).inc()
+
+    def inference_step_done(self, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+
+    def compute_batch_started(self, now: float, submitted: Sequence[float]) -> None:
+        for moment in submitted:
+            self.queue_wait_seconds.observe(now - moment)
+        self.batch_size.observe(len(submitted))
 
 
 class _LiveStateCollector:
-    """Gauges and counters read from the serving handler when Prometheus scrapes."""
+    """Gauges and counters read from the engine a server serves when Prometheus scrapes."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        handler = _handler
-        if handler is None:
+        engine = self.metrics.serving
+        if engine is None:
             return
         yield GaugeMetricFamily(
-            "petals_server_open_sessions", "Open inference sessions", value=len(handler.sessions)
+            "petals_server_open_sessions", "Open inference sessions", value=len(engine.sessions)
         )
-        yield GaugeMetricFamily("petals_server_blocks", "Blocks this server hosts", value=len(handler.blocks))
+        yield GaugeMetricFamily("petals_server_blocks", "Blocks this server hosts", value=len(engine.blocks))
         cache = GaugeMetricFamily("petals_server_kv_cache_bytes", "KV-cache budget by use", labels=["use"])
-        cache.add_metric(["used"], handler.budget.bytes_used)
-        cache.add_metric(["free"], handler.budget.bytes_left)
+        cache.add_metric(["used"], engine.budget.bytes_used)
+        cache.add_metric(["free"], engine.budget.bytes_left)
         yield cache
         yield CounterMetricFamily(
-            "petals_server_tokens_computed",
-            "Tokens run through blocks",
-            value=handler.compute.tokens_processed,
+            "petals_server_tokens_computed", "Tokens run through blocks", value=engine.tokens_processed
         )
         yield CounterMetricFamily(
             "petals_server_compute_busy_seconds",
             "Seconds the compute thread computed",
-            value=handler.compute.busy_seconds,
+            value=engine.busy_seconds,
         )
         yield CounterMetricFamily(
             "petals_server_merged_batches",
             "Compute calls that ran several tasks",
-            value=handler.compute.batches_merged,
+            value=engine.scheduler.batches_merged,
         )
         stats = CounterMetricFamily("petals_server_events", "Inference and push events", labels=["event"])
-        for event, count in dict(handler.stats).items():  # a copy: the event loop may add keys meanwhile
+        for event, count in dict(engine.events).items():  # a copy: the event loop may add keys meanwhile
             stats.add_metric([event], count)
         yield stats

@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from hivemind.dht import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
@@ -32,15 +33,16 @@ from petals.dht import (
 from petals.loading import Checkpoint, load_block
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
-from petals.server import metrics
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, choose_new_blocks
 from petals.server.cache_budget import CacheBudget
-from petals.server.handler import HandlerLimits, TransformerConnectionHandler
+from petals.server.engine import ComputeThread, ServingEngine
+from petals.server.handler import TransformerConnectionHandler
+from petals.server.metrics import NO_METRICS, NoMetrics
 from petals.server.pings import NextPings
-from petals.server.scheduler import ComputeQueue
-from petals.server.sessions import SessionRegistry
+from petals.server.scheduler import Scheduler
 from petals.server.settings import ServerSettings
+from petals.server.validation import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +53,10 @@ LEAVE_SECONDS = 3.0
 
 
 class Server:
-    def __init__(self, settings: ServerSettings) -> None:
-        """``settings`` as decided by ``petals.server.planning.resolve_settings``."""
-        self.settings = settings
+    def __init__(self, settings: ServerSettings, metrics: NoMetrics = NO_METRICS) -> None:
+        """``settings`` as decided by ``petals.server.planning.resolve_settings``; ``metrics`` its own
+        (``ServerMetrics.serve``) or none."""
+        self.settings, self.metrics = settings, metrics
         self.config = settings.load_config()
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
@@ -62,11 +65,13 @@ class Server:
         self.stop = asyncio.Event()
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
         self.using_relay = False  # set on joining: reachable only through a relay
+        self.peer_id: PeerID | None = None  # set on joining
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
         started = time.perf_counter()
         p2p = await self.settings.network.create_p2p()
+        self.peer_id = p2p.peer_id
         node = None
         try:
             node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
@@ -84,14 +89,16 @@ class Server:
 
     async def _serve(self, p2p: P2P, node: DHTNode) -> None:
         checking = asyncio.create_task(self._check_reachability(p2p, node))
-        compute = ComputeQueue(
-            merge_window=self.settings.merge_window, small_task_threads=self.settings.decode_threads or 0
+        # one policy for every span: what it learned of thread counts holds for the next blocks too
+        scheduler = Scheduler(
+            torch.get_num_threads(),
+            merge_window=self.settings.merge_window,
+            small_task_threads=self.settings.decode_threads or 0,
         )
-        compute.start()
         try:
             blocks = await self._choose_blocks(node)
             while blocks is not None and not self.stop.is_set():
-                span = ServingSpan(self, p2p, node, compute, blocks)
+                span = ServingSpan(self, p2p, node, scheduler, blocks)
                 try:
                     if not await self._until_stopped(span.start()):
                         break
@@ -100,7 +107,6 @@ class Server:
                     await span.leave()
         finally:
             checking.cancel()
-            compute.shutdown()
 
     async def _check_reachability(self, p2p: P2P, node: DHTNode) -> None:
         """Ask DHT neighbours to dial back; if they cannot, others reach us only through relays."""
@@ -172,14 +178,15 @@ class Server:
 class ServingSpan:
     """One stint of serving one range of blocks: load, announce, serve, rebalance check, leave."""
 
-    def __init__(self, server: Server, p2p: P2P, node: DHTNode, compute: ComputeQueue, blocks: range) -> None:
-        self.server, self.p2p, self.node, self.compute, self.blocks = server, p2p, node, compute, blocks
+    def __init__(self, server: Server, p2p: P2P, node: DHTNode, scheduler: Scheduler, blocks: range) -> None:
+        self.server, self.p2p, self.node, self.scheduler, self.blocks = server, p2p, node, scheduler, blocks
         self.settings = server.settings
         self.uids = make_uids(server.dht_prefix, blocks.start, blocks.stop)
         self.state = ServerState.JOINING
         self.budget: CacheBudget | None = None
         self.weight_bytes: int | None = None
-        self.sessions = SessionRegistry()
+        self.engine: ServingEngine | None = None
+        self.compute: ComputeThread | None = None
         self.handler: TransformerConnectionHandler | None = None
         self._announcer: asyncio.Task | None = None
         self._announced_until: float | None = None  # DHT time when our last JOINING/ONLINE records expire
@@ -206,7 +213,7 @@ class ServingSpan:
             self.settings.quant_type,
         )
         self.budget = CacheBudget(list(hosted.backends.values()), self.settings.attn_cache_tokens)
-        limits = HandlerLimits(
+        limits = Limits(
             max_batch_size=self.settings.max_batch_size,
             inference_max_length=self.settings.inference_max_length,
             request_timeout=self.settings.request_timeout,
@@ -214,11 +221,16 @@ class ServingSpan:
             step_timeout=self.settings.step_timeout,
             adapters=self.settings.adapters,
         )
+        metrics = self.server.metrics
+        self.engine = ServingEngine(
+            hosted, self.budget, limits, self.scheduler, dht_prefix=self.server.dht_prefix, metrics=metrics
+        )
+        self.compute = ComputeThread(self.engine).start()
         self.handler = TransformerConnectionHandler(
-            hosted, self.server.dht_prefix, self.p2p, self.compute, self.budget, self.sessions, limits
+            self.engine, self.p2p, client_mode=self.node.protocol.client_mode, metrics=metrics
         )
         await self.handler.add_p2p_handlers(self.p2p)
-        metrics.serving(self.handler)
+        metrics.serving = self.engine
         await self._announce(ServerState.ONLINE)
         self.server.online.set()
         logger.info(
@@ -284,7 +296,7 @@ class ServingSpan:
         """Serve until the server stops (→ None) or should move to other blocks (→ the new range)."""
         next_stats = time.monotonic() + self.settings.stats_period
         next_check = time.monotonic() + self._balance_delay()
-        tokens_before = self.compute.tokens_processed
+        tokens_before = self.engine.tokens_processed
         while True:
             wake_at = min(next_stats, next_check)
             try:
@@ -294,7 +306,7 @@ class ServingSpan:
                 pass
             now = time.monotonic()
             if now >= next_stats:
-                tokens = self.compute.tokens_processed
+                tokens = self.engine.tokens_processed
                 self._log_stats((tokens - tokens_before) / self.settings.stats_period)
                 tokens_before, next_stats = tokens, now + self.settings.stats_period
             if now >= next_check:
@@ -321,15 +333,16 @@ class ServingSpan:
     def _log_stats(self, tokens_per_second: float) -> None:
         logger.info(
             "Serving %d sessions, %.1f tokens/s, KV cache left: %d tokens",
-            len(self.sessions),
+            len(self.engine.sessions),
             tokens_per_second,
             self.budget.tokens_left if self.budget else 0,
         )
 
     async def leave(self) -> None:
         """Stop taking requests, end open sessions, announce OFFLINE: within ~``LEAVE_SECONDS``."""
-        self.sessions.close_all()
-        metrics.serving(None)
+        if self.engine is not None:
+            self.engine.sessions.close_all()
+        self.server.metrics.serving = None
         if self._announcer is not None:
             self._announcer.cancel()
         if self.handler is not None and daemon_alive(self.p2p):
@@ -338,6 +351,8 @@ class ServingSpan:
             except Exception as error:  # leaving must not fail; the OFFLINE step below tells what happened
                 logger.debug("Could not unregister the handlers: %s", error)
         await self._announce_offline(LEAVE_SECONDS - 0.5)
+        if self.compute is not None:
+            self.compute.stop()
 
     async def _announce_offline(self, timeout: float) -> None:
         """Announce OFFLINE if the network is reachable; else say truthfully that the records just expire."""

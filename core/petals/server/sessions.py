@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from hivemind.proto import runtime_pb2
 
 from petals.convert import ShardedCache
 from petals.kv_cache import BlockCache, CacheOverflowError, OutOfPagesError
 from petals.server.backend import BlockBackend
-from petals.tracing import StepTrace
+from petals.tracing import NO_TRACE, StepTrace
 from petals.wire import WireError, shown
 
 
@@ -35,11 +33,20 @@ class ServerInferenceSession:
     caches: list[BlockCache | ShardedCache]
     batch_size: int
     max_length: int
-    # requests from the client's stream and from pushes, with their arrival (perf_counter, when tracing)
-    inbox: asyncio.Queue[tuple[runtime_pb2.ExpertRequest, float] | None] = field(
-        default_factory=asyncio.Queue
-    )
+    # requests from the client's stream and from pushes, with their arrival (perf_counter, when tracing);
+    # the handler fills and reads it, the engine only ends it (``close``)
+    inbox: asyncio.Queue[tuple[Any, float] | None] = field(default_factory=asyncio.Queue)
     done_steps: set[str] = field(default_factory=set)
+    args_structure: object = None  # the first request's, for steps that send none
+
+    def claim(self, step_id: object) -> bool:
+        """False for a step this session already computed (a push and the client's copy race)."""
+        if step_id is None:
+            return True
+        if step_id in self.done_steps:
+            return False
+        self.done_steps.add(step_id)
+        return True
 
     @property
     def position(self) -> int:
@@ -77,13 +84,9 @@ class ServerInferenceSession:
     def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         return self.backends[index].inference_step(hidden, prompt, self.caches[index])
 
-    def run_blocks(
-        self, hidden: torch.Tensor, prompts: list[torch.Tensor | None], traces: list[StepTrace] = ()
-    ) -> torch.Tensor:
+    def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
         for index, prompt in enumerate(prompts):
-            started = time.perf_counter() if traces else 0.0
             hidden = self.run_block(index, hidden, prompt)
-            _record_block(traces, self.backends[index], started)
         return hidden.cpu()
 
 
@@ -95,7 +98,7 @@ class DecodeStep:
     hidden: torch.Tensor
     hypo_ids: torch.Tensor | None
     start: int | None
-    trace: StepTrace | None = None  # timed when the request asked for a trace (PETALS_TRACE)
+    trace: StepTrace = NO_TRACE  # timed when the request asked for a trace (PETALS_TRACE)
 
 
 def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
@@ -103,7 +106,7 @@ def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
 
     A session whose rewind, reorder or pages fail gets its error as its result; the others run.
     """
-    traces = [step.trace for step in steps if step.trace is not None]
+    traces = [step.trace for step in steps if step.trace.enabled]
     for trace in traces:
         trace.mark("compute started")
     results = _run_decode_steps(steps, traces)
@@ -146,6 +149,8 @@ def _record_block(traces: list[StepTrace], backend: BlockBackend, started: float
 
 
 class SessionRegistry:
+    """Open sessions by id (``rpc_push`` finds them so)."""
+
     def __init__(self) -> None:
         self._sessions: dict[str, ServerInferenceSession] = {}
 
@@ -155,15 +160,16 @@ class SessionRegistry:
     def get(self, session_id: object) -> ServerInferenceSession | None:
         return self._sessions.get(session_id) if isinstance(session_id, str) else None
 
-    @contextmanager
-    def registered(self, session: ServerInferenceSession) -> Iterator[ServerInferenceSession]:
-        if session.session_id in self._sessions:
-            raise WireError(f"session {shown(session.session_id)} is already open on this server")
+    def check_new(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            raise WireError(f"session {shown(session_id)} is already open on this server")
+
+    def add(self, session: ServerInferenceSession) -> None:
+        self.check_new(session.session_id)
         self._sessions[session.session_id] = session
-        try:
-            yield session
-        finally:
-            del self._sessions[session.session_id]
+
+    def remove(self, session: ServerInferenceSession) -> None:
+        self._sessions.pop(session.session_id, None)
 
     def close_all(self) -> None:
         for session in list(self._sessions.values()):

@@ -1,4 +1,5 @@
-"""Real local swarms for tests (``petals dht`` / ``petals serve`` processes on 127.0.0.1).
+"""Real local swarms for tests: ``petals dht`` / ``petals serve`` processes on 127.0.0.1, or the same
+peers in the test's own process (``inprocess_swarm``: no process start, no torch import per server).
 
 The runner is the product's own ``petals.local_swarm`` (``petals demo`` uses it too); this module
 is where tests and plugin authors import it from, with the client options that keep a test's
@@ -22,15 +23,19 @@ from petals.local_swarm import (
     start_server,
 )
 from petals.network.client import LOOPBACK_CLIENT
+from petals.testing.inprocess import InProcessDht, InProcessServer, inprocess_swarm
 
 __all__ = [
     "LOOPBACK_CLIENT",
     "ApiProcess",
     "DhtProcess",
+    "InProcessDht",
+    "InProcessServer",
     "MonitorProcess",
     "ServerProcess",
     "SwarmProcess",
     "SwarmProcessError",
+    "inprocess_swarm",
     "running_swarm",
     "start_api",
     "start_dht",

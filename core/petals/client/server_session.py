@@ -1,0 +1,232 @@
+"""One server's part of an inference session: an ``rpc_inference`` stream and the history it was sent.
+
+A ``ServerSession`` sends each step of the client's session to the server computing its span
+(blocks ``[start, end)``), waits for the answer within the step deadline its server has earned
+(``routing.StepDeadlines``), and remembers every hidden state it sent (``history``), so that a
+replacement can be replayed the same inputs when this server fails (``inference_session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from petals.client.routing import RemoteSequenceManager, ServerMisbehaved
+from petals.data_structures import RemoteSpanInfo
+from petals.network.rpc import open_inference_stream
+from petals.tracing import NO_TRACE, StepTrace
+from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
+
+EMPTY = torch.empty(0)
+EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+# one step's (hidden states, deep prompts or None, beam reorder ids or None)
+StepTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# most steps send no prompts and no hypo_ids: their placeholders are serialized once
+EMPTY_PROTO, EMPTY_IDS_PROTO = serialize_tensor(EMPTY), serialize_tensor(EMPTY_IDS)
+
+
+class ServerSession:
+    """One open ``rpc_inference`` stream to the server computing ``span`` (blocks ``[start, end)``)."""
+
+    def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int) -> None:
+        self.manager, self.span, self.max_length = manager, span, max_length
+        self.session_id = str(uuid.uuid4())
+        self._history: list[torch.Tensor] = []  # everything this server was sent, step by step
+        self.position = 0
+        self._start_from: int | None = None  # a rollback the server learns with the next step
+        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._opening_sent = False  # the first request carries the session's parameters
+        self._unanswered = 0  # answers to skip before the next step's: the empty opening step's
+        self._open_error: BaseException | None = None  # from opening ahead, raised by the first step
+
+    async def open_ahead(self, batch_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Open the stream and the server's session now, with an empty step (legal in Petals' protocol:
+        it allocates without computing), and do not wait for its answer. All servers of a route
+        are opened this way at once, so the first step can already be pushed from server to server.
+        A failure is kept and raised by the first step, which then fails over as usual."""
+        try:
+            empty = torch.empty(batch_size, 0, hidden_size, dtype=dtype)
+            request = self._request((empty, None, None), str(uuid.uuid4()), None, False)
+            await self._open_stream()
+            self._requests.put_nowait(request)
+            self._unanswered += 1
+        except Exception as error:
+            self._open_error, self._opening_sent = error, False
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """``[batch, position, hidden]``: the inputs of this span's first block so far."""
+        if len(self._history) > 1:
+            self._history = [torch.cat(self._history, dim=1)]
+        return self._history[0] if self._history else None
+
+    async def _request_stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def step(
+        self,
+        tensors: StepTensors,
+        step_id: str,
+        next_servers: list[list[Any]] | None,
+        trace: StepTrace = NO_TRACE,
+        name: str = "server",
+    ) -> torch.Tensor:
+        """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``."""
+        started = trace.now()
+        hidden = tensors[0]
+        request = self._request(tensors, step_id, next_servers, trace.enabled)
+        started = trace.add_since("client: serialization", started)
+        response = await self._exchange(request, tokens=hidden.shape[0] * hidden.shape[1])
+        started = trace.add_since(f"client: wait for {name}", started)
+        if trace.enabled:
+            self._record_server_trace(response, trace, name)
+            started = trace.now()
+        output = self._accept(response, hidden)
+        trace.add_since("client: serialization", started)
+        return output.to(hidden.dtype)
+
+    def _request(
+        self,
+        tensors: StepTensors,
+        step_id: str,
+        next_servers: list[list[Any]] | None,
+        traced: bool,
+    ) -> runtime_pb2.ExpertRequest:
+        """The message of one step, from its ``(hidden, prompts, hypo_ids)``; the stream's first one
+        also opens the server's session."""
+        hidden, prompts, hypo_ids = tensors
+        _, args_structure = pack_args_kwargs(
+            hidden, EMPTY if prompts is None else prompts, EMPTY_IDS if hypo_ids is None else hypo_ids
+        )
+        protos = [
+            serialize_tensor(hidden),
+            EMPTY_PROTO if prompts is None else serialize_tensor(prompts),
+            EMPTY_IDS_PROTO if hypo_ids is None else serialize_tensor(hypo_ids),
+        ]
+        metadata: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step_id": step_id,
+            "args_structure": args_structure,
+        }
+        if not self._opening_sent:
+            self._opening_sent = True
+            config = self.manager.config
+            metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
+        if self._start_from is not None:
+            metadata["start_from_position"] = self._start_from
+        if next_servers:
+            metadata["next_servers"] = next_servers
+        if traced:
+            metadata["trace"] = True
+        return runtime_pb2.ExpertRequest(
+            uid=self.manager.chain_uid(self.span.start, self.span.end),
+            tensors=protos,
+            metadata=write_metadata(metadata),
+        )
+
+    async def _exchange(self, request: runtime_pb2.ExpertRequest, tokens: int) -> runtime_pb2.ExpertResponse:
+        """Send ``request`` (opening the stream first) and wait for its answer within the step deadline."""
+        if self._open_error is not None:
+            error, self._open_error = self._open_error, None
+            raise error
+        await self._open_stream()
+        deadlines = self.manager.step_deadlines
+        sent = time.perf_counter()
+        self._requests.put_nowait(request)
+        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
+            while self._unanswered:  # the opening step's answer comes first: nothing to read in it
+                await anext(self._responses)
+                self._unanswered -= 1
+            response = await anext(self._responses)
+        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
+        return response
+
+    async def _open_stream(self) -> None:
+        if self._responses is None:
+            self._responses = await asyncio.wait_for(
+                open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
+                self.manager.config.connect_timeout,
+            )
+
+    def _accept(self, response: runtime_pb2.ExpertResponse, hidden: torch.Tensor) -> torch.Tensor:
+        """The server's output for ``hidden``, checked; the step now counts as done on this server."""
+        if len(response.tensors) != 1:
+            raise ServerMisbehaved(
+                f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
+            )
+        output = deserialize_tensor(response.tensors[0])
+        if output.shape != hidden.shape:
+            raise ServerMisbehaved(
+                f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
+            )
+        self._history.append(hidden)
+        self.position += hidden.shape[1]
+        self._start_from = None
+        return output
+
+    @staticmethod
+    def _record_server_trace(response: runtime_pb2.ExpertResponse, trace: StepTrace, name: str) -> None:
+        """The server's own timings of this step, when it traces (``PETALS_TRACE`` on the server too)."""
+        try:
+            times = read_metadata(response.metadata).get("server_trace")
+        except ValueError:
+            return
+        if isinstance(times, dict):
+            trace.merge(f"{name}: ", {k: v for k, v in times.items() if isinstance(v, int | float)})
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        if self._history:
+            self._history = [self.history[hypo_ids]]
+
+    def rollback(self, position: int) -> None:
+        """Forget the positions from ``position`` on; the next step tells the server (``start_from_position``)."""
+        if position < self.position:
+            self._history = [self.history[:, :position]] if position else []
+            self.position = self._start_from = position
+
+    async def close(self) -> None:
+        """End the stream politely (an empty request) without waiting for the server's end of it.
+
+        The server frees the session's cache when it reads the end of the stream; waiting for its
+        answer would cost the caller a round trip per generation, so the answer is drained in the
+        background (for at most a second: a dead server never answers).
+        """
+        if self._responses is None:
+            return
+        self._requests.put_nowait(runtime_pb2.ExpertRequest())
+        self._requests.put_nowait(None)
+        responses, self._responses = self._responses, None
+        spawn(_drain_briefly(responses))
+
+
+async def close_all(sessions: list[ServerSession]) -> None:
+    await asyncio.gather(*(session.close() for session in sessions))
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def spawn(coroutine: Awaitable) -> None:
+    """Run ``coroutine`` in the background, referenced until it ends (the loop keeps only weak references)."""
+    task = asyncio.ensure_future(coroutine)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _drain_briefly(responses: AsyncIterator) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(_drain(responses), 1.0)
+
+
+async def _drain(responses: AsyncIterator) -> None:
+    async for _ in responses:
+        pass

@@ -1,0 +1,361 @@
+"""The server's serving logic without transport: sessions, KV-cache pages, step checks and batching.
+
+``ServingEngine`` takes requests as decoded tensors and metadata and answers with tensors; it knows
+nothing of hivemind, protobufs or streams. Its two halves meet in one queue:
+
+* requests, from the handler on the event loop's thread: ``forward``, ``backward``,
+  ``open_session`` / ``inference_step`` / ``close_session`` check the request (``validation``) and
+  submit a *job*: a generator that yields the tasks of one request in order (a decode step is one
+  task for all blocks of its span; a forward pass one task per block; a long prefill one task per
+  block and chunk of tokens) and returns the request's result. They return a
+  ``concurrent.futures.Future`` of that result (cancel it and the job's remaining tasks are dropped).
+* compute, on one thread (``ComputeThread``): ``schedule(now)`` asks the batch policy
+  (``scheduler.Scheduler``) which queued tasks run next; ``step(batch)`` runs them with torch and hands
+  each job its task's result, which queues the job's next task or settles its future.
+
+Tests drive both halves by hand on a fake clock (``tests/test_server_engine.py``); a server runs one
+``ComputeThread`` per engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import torch
+
+from petals.server.backend import BlockBackend, HostedBlocks
+from petals.server.cache_budget import CacheBudget
+from petals.server.metrics import NO_METRICS, ServerMetrics
+from petals.server.scheduler import Batch, Priority, Scheduler, Task, call
+from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
+from petals.server.validation import (
+    Limits,
+    StepArgs,
+    backward_args,
+    blocks_named,
+    check_adapter,
+    check_hypo_ids,
+    check_max_length,
+    check_step_position,
+    forward_args,
+    inference_args,
+)
+from petals.tracing import NO_TRACE, StepTrace
+from petals.wire import WireError
+
+MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
+PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)
+
+# what a job yields (a task to run) and, in the end, returns (the request's result)
+Job = Generator[Task, Any, Any]
+# counters reported under rpc_info's "stats" (stock Petals peers ignore that key)
+EVENTS = ("inference_steps", "steps_from_pushes", "duplicate_steps_dropped", "pushes_sent", "pushes_failed")
+
+
+class _Request:
+    """A submitted job and the future of its result."""
+
+    __slots__ = ("future", "job")
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.future = job, Future()
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        with contextlib.suppress(InvalidStateError):  # cancelled by the requester meanwhile
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
+
+
+class ServingEngine:
+    """The blocks of one span, their sessions and KV-cache budget, and the queue of their compute."""
+
+    def __init__(
+        self,
+        blocks: HostedBlocks,
+        budget: CacheBudget,
+        limits: Limits,
+        scheduler: Scheduler,
+        *,
+        dht_prefix: str,
+        metrics: ServerMetrics = NO_METRICS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.blocks, self.budget, self.limits, self.scheduler = blocks, budget, limits, scheduler
+        self.dht_prefix, self.metrics, self.clock = dht_prefix, metrics, clock
+        self.sessions = SessionRegistry()
+        self.events: collections.Counter[str] = collections.Counter(dict.fromkeys(EVENTS, 0))
+        self.tokens_processed = 0
+        self.busy_seconds = 0.0
+        self.changed = threading.Condition()  # guards the scheduler; notified on every submission
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def backends(self, uid_chain: str, metadata: dict | None = None) -> list[BlockBackend]:
+        """The hosted blocks a request names, computing with its ``active_adapter``."""
+        description = f"{self.dht_prefix}.{self.blocks.start} to {self.dht_prefix}.{self.blocks.end - 1}"
+        backends = blocks_named(uid_chain, self.blocks.backends, description)
+        if metadata is None:
+            return backends
+        adapter = check_adapter(metadata.get("active_adapter"), self.limits.adapters)
+        return [backend.with_adapter(adapter) for backend in backends]
+
+    def forward(self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]) -> Future:
+        """The span's output for ``(hidden_states, prompts)``."""
+        backends = self.backends(uid_chain, metadata)
+        args = forward_args(tensors, metadata.get("args_structure"), len(backends), *self._sizes)
+        return self._submit(_forward_job(backends, args))
+
+    def backward(self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]) -> Future:
+        """Gradients w.r.t. the inputs (and the deep prompts, if any) for ``(inputs, grad_outputs, prompts)``."""
+        backends = self.backends(uid_chain, metadata)
+        args, grad = backward_args(tensors, metadata.get("args_structure"), len(backends), *self._sizes)
+        return self._submit(_backward_job(backends, args, grad))
+
+    async def open_session(
+        self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]
+    ) -> tuple[ServerInferenceSession, StepArgs]:
+        """Admit a session (its first request's checks, KV-cache pages) and return it with its first step."""
+        backends = self.backends(uid_chain, metadata)
+        max_length = check_max_length(metadata, self.limits.inference_max_length)
+        structure = metadata.get("args_structure")
+        args = self._inference_args(tensors, structure, len(backends))
+        session_id = metadata.get("session_id") or str(uuid.uuid4())
+        self.sessions.check_new(session_id)
+        batch_size, first_tokens = args.hidden.shape[:2]
+        alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
+        await self.budget.admit(backends, batch_size, max_length, first_tokens, alloc_timeout)
+        caches = self.budget.open_caches(backends, batch_size, max_length)
+        session = ServerInferenceSession(session_id, backends, caches, batch_size, max_length)
+        session.args_structure = structure
+        try:
+            self.sessions.add(session)  # another request may have opened the id while we waited for pages
+        except WireError:
+            session.release()
+            raise
+        return session, args
+
+    def step_args(
+        self, session: ServerInferenceSession, metadata: dict, tensors: list[torch.Tensor]
+    ) -> StepArgs:
+        """A later step's tensors (laid out as its own ``args_structure``, else the session's first one)."""
+        structure = metadata.get("args_structure", session.args_structure)
+        return self._inference_args(tensors, structure, len(session.backends))
+
+    def claim_step(self, session: ServerInferenceSession, metadata: dict) -> bool:
+        """False for a step this session already computed (a push and the client's copy race)."""
+        if session.claim(metadata.get("step_id")):
+            return True
+        self.events["duplicate_steps_dropped"] += 1
+        return False
+
+    def inference_step(
+        self, session: ServerInferenceSession, args: StepArgs, metadata: dict, trace: StepTrace = NO_TRACE
+    ) -> Future:
+        """The span's output for one step of ``session`` (rewound to ``start_from_position`` if given)."""
+        self.events["inference_steps"] += 1
+        self.events["steps_from_pushes"] += bool(metadata.get("pushed"))
+        hidden = args.hidden
+        if hidden.shape[0] != session.batch_size:
+            raise WireError(
+                f"this session has batch size {session.batch_size}, got hidden states of {hidden.shape[0]}"
+            )
+        if args.hypo_ids is not None:
+            check_hypo_ids(args.hypo_ids, session.batch_size)
+        start = metadata.get("start_from_position")
+        check_step_position(session.position, start, hidden.shape[1], session.max_length)
+        return self._submit(_inference_job(session, args, start, trace))
+
+    def close_session(self, session: ServerInferenceSession) -> None:
+        """Forget the session; its pages go back after its queued steps (never under a merged forward)."""
+        self.sessions.remove(session)
+        with self.changed:
+            self.scheduler.forget(session.session_id)
+        self._submit(_release_job(session))
+
+    def info(self) -> dict[str, Any]:
+        """What ``rpc_info`` reports about this server's state and counters."""
+        scheduler = self.scheduler
+        return {
+            "cache_tokens_available": self.budget.tokens_left,
+            "stats": {
+                **self.events,
+                "merged_batches": scheduler.batches_merged,
+                # decode forwards by the number of sessions merged into them
+                **{f"decode_batch_size_{size}": count for size, count in scheduler.batch_sizes.items()},
+                # torch threads of one-token decode steps now (a fixed --decode_threads, or learned)
+                **scheduler.threads.describe((Priority.DECODE, 1)),
+            },
+        }
+
+    @property
+    def _sizes(self) -> tuple[int, int]:
+        """(hidden size, most tokens per request): what every request's hidden states are checked against."""
+        return self.blocks.hidden_size, self.limits.max_batch_size
+
+    def _inference_args(self, tensors: list[torch.Tensor], structure: Any, num_blocks: int) -> StepArgs:
+        return inference_args(tensors, structure, num_blocks, *self._sizes)
+
+    # ---- the queue -----------------------------------------------------------------------------
+
+    def _submit(self, job: Job) -> Future:
+        request = _Request(job)
+        self._advance(request, None)
+        return request.future
+
+    def _advance(self, request: _Request, result: Any) -> None:
+        """Hand ``request``'s job its last task's result (an exception is raised in it); queue its next task."""
+        try:
+            if isinstance(result, BaseException):
+                task = request.job.throw(result)
+            else:
+                task = request.job.send(result)
+        except StopIteration as done:
+            request.settle(done.value)
+            return
+        except BaseException as error:  # the job's own failure, or its task's that it did not handle
+            request.settle(error=error)
+            return
+        task.owner = request
+        with self.changed:
+            self.scheduler.push(task, self.clock())
+            self.changed.notify()
+
+    # ---- compute (the compute thread) ----------------------------------------------------------
+
+    def schedule(self, now: float) -> Batch | float | None:
+        """The batch to run now, else seconds until one may be ready, or None when nothing is queued."""
+        with self.changed:
+            abandoned = self.scheduler.drop(lambda task: task.owner.future.cancelled())
+            decision = self.scheduler.next_batch(now)
+        for task in abandoned:  # their requesters are gone: the jobs end here
+            task.owner.job.close()
+        return decision
+
+    def step(self, batch: Batch) -> None:
+        """Run ``batch`` (one call for all its tasks) and advance each task's job with its result."""
+        tasks = batch.tasks
+        self.metrics.compute_batch_started(self.clock(), [task.submitted for task in tasks])
+        torch.set_num_threads(batch.threads)  # this thread's OpenMP team: per compute thread
+        started = self.clock()
+        try:
+            results = tasks[0].run([task.item for task in tasks])
+        except BaseException as error:  # each requester reports it
+            results = [error] * len(tasks)
+        seconds = self.clock() - started
+        with self.changed:
+            self.scheduler.finished(batch, seconds)
+        self.busy_seconds += seconds
+        self.tokens_processed += batch.tokens
+        for task, result in zip(tasks, results, strict=True):
+            self._advance(task.owner, result)
+
+
+class ComputeThread:
+    """The thread that runs an engine's compute: waits for work, runs each batch the policy picks."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self.engine = engine
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="petals-compute", daemon=True)
+
+    def start(self) -> ComputeThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        with self.engine.changed:
+            self._stopping = True
+            self.engine.changed.notify()
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        engine = self.engine
+        while (batch := self._next_batch()) is not None:
+            engine.step(batch)
+
+    def _next_batch(self) -> Batch | None:
+        engine = self.engine
+        with engine.changed:
+            while not self._stopping:
+                decision = engine.schedule(engine.clock())
+                if isinstance(decision, Batch):
+                    return decision
+                engine.changed.wait(decision)  # a merge window's rest, or (None) until work arrives
+        return None
+
+
+# ---- jobs: the tasks of one request, in order ---------------------------------------------------
+
+
+def _forward_job(backends: Sequence[BlockBackend], args: StepArgs) -> Job:
+    hidden, tokens = args.hidden, args.tokens
+    for backend, prompt in zip(backends, args.prompts, strict=True):
+        hidden = yield call(Priority.FORWARD, tokens, _bind(backend.forward, hidden, prompt))
+    return [hidden]
+
+
+def _backward_job(backends: Sequence[BlockBackend], args: StepArgs, grad_output: torch.Tensor) -> Job:
+    tokens, prompts = args.tokens, args.prompts
+    inputs = [args.hidden]
+    for backend, prompt in zip(backends[:-1], prompts[:-1], strict=True):
+        inputs.append((yield call(Priority.FORWARD, tokens, _bind(backend.forward, inputs[-1], prompt))))
+    grad_prompts = []
+    for backend, prompt, block_input in reversed(list(zip(backends, prompts, inputs, strict=True))):
+        grad_output = yield call(
+            Priority.FORWARD, tokens, _bind(backend.backward, block_input, prompt, grad_output)
+        )
+        if prompt is not None:
+            grad_prompts.append(grad_output[:, : prompt.shape[-2]])
+    if not grad_prompts:
+        return [grad_output]
+    return [grad_output, torch.stack(grad_prompts[::-1])]
+
+
+def _inference_job(
+    session: ServerInferenceSession, args: StepArgs, start: int | None, trace: StepTrace
+) -> Job:
+    hidden, hypo_ids, tokens = args.hidden, args.hypo_ids, args.tokens
+    if tokens <= MAX_SHORT_INFERENCE_TOKENS and not args.has_prompts:
+        key = (session.span_key, hidden.shape[1], hidden.dtype)  # any positions and batch sizes merge
+        trace.mark("queued")
+        step = DecodeStep(session, hidden, hypo_ids, start, trace)
+        return (
+            yield Task(
+                Priority.DECODE, tokens, run_decode_steps, item=step, key=key, member=session.session_id
+            )
+        )
+    if tokens <= MAX_SHORT_INFERENCE_TOKENS:
+        return (yield call(Priority.DECODE, tokens, _bind(_prepare_and_run, session, args, start)))
+    # a long prefill: one task per block and chunk of tokens, so that others' decode steps slip in
+    yield call(Priority.DECODE, 0, _bind(session.prepare, hypo_ids, start))
+    chunk_length = max(1, PREFILL_CHUNK_TOKENS // hidden.shape[0])
+    for index, prompt in enumerate(args.prompts):
+        chunks = hidden.split(chunk_length, dim=1) if prompt is None else [hidden]
+        outputs = []
+        for chunk in chunks:
+            run_chunk = _bind(session.run_block, index, chunk, prompt)
+            outputs.append((yield call(Priority.PREFILL, chunk.numel() // chunk.shape[-1], run_chunk)))
+        hidden = torch.cat(outputs, dim=1)
+    return hidden.cpu()
+
+
+def _release_job(session: ServerInferenceSession) -> Job:
+    yield call(Priority.DECODE, 0, session.release)
+
+
+def _prepare_and_run(session: ServerInferenceSession, args: StepArgs, start: int | None) -> torch.Tensor:
+    session.prepare(args.hypo_ids, start)
+    return session.run_blocks(args.hidden, args.prompts)
+
+
+def _bind(function: Callable, *args: Any) -> Callable[[], Any]:
+    return lambda: function(*args)

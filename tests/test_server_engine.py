@@ -1,0 +1,240 @@
+"""The serving engine without transport: requests in, tensors out, its queue driven by hand on a fake clock.
+
+No p2p, no threads: a test submits requests, asks ``schedule(now)`` what runs next and ``step``s it,
+so the order of work and the merging of sessions are checked exactly, and every result is compared
+with the same blocks run directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from petals.kv_cache import PAGE_TOKENS, OutOfPagesError
+from petals.server.backend import BlockBackend, HostedBlocks
+from petals.server.cache_budget import CacheBudget
+from petals.server.engine import PREFILL_CHUNK_TOKENS, ServingEngine
+from petals.server.metrics import ServerMetrics
+from petals.server.scheduler import Batch, Priority, Scheduler
+from petals.server.validation import Limits
+from petals.wire import NotServedError, WireError
+from petals_llama.block import LlamaBlock
+from petals_llama.config import DistributedLlamaConfig
+
+CONFIG = DistributedLlamaConfig(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=100,
+)
+LIMITS = Limits(
+    max_batch_size=4096, inference_max_length=2048, request_timeout=30, session_timeout=60, step_timeout=30
+)
+UIDS = "tiny.0 tiny.1"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    torch.manual_seed(0)
+    modules = [LlamaBlock(CONFIG, index).eval() for index in range(CONFIG.num_hidden_layers)]
+    backends = [
+        BlockBackend(f"tiny.{index}", index, module, CONFIG, torch.float32, torch.device("cpu"))
+        for index, module in enumerate(modules)
+    ]
+    return HostedBlocks(backends)
+
+
+@pytest.fixture
+def engine(blocks):
+    budget = CacheBudget(list(blocks.backends.values()), tokens_per_block=4096)
+    return ServingEngine(
+        blocks, budget, LIMITS, Scheduler(max_threads=1), dht_prefix="tiny", clock=FakeClock()
+    )
+
+
+def drain(engine: ServingEngine) -> list[Batch]:
+    """Run everything queued, as the compute thread would; returns the batches in the order they ran."""
+    batches = []
+    while isinstance(batch := engine.schedule(engine.clock()), Batch):
+        engine.step(batch)
+        batches.append(batch)
+    return batches
+
+
+def open_session(engine: ServingEngine, hidden: torch.Tensor, max_length: int = 64, **metadata):
+    return asyncio.run(engine.open_session(UIDS, {"max_length": max_length, **metadata}, [hidden]))
+
+
+def run_directly(blocks: HostedBlocks, *steps: torch.Tensor) -> list[torch.Tensor]:
+    """The same steps through the blocks with a cache of their own, one session alone."""
+    caches = [backend.allocate_cache(steps[0].shape[0], 2048) for backend in blocks.backends.values()]
+    outputs = []
+    for hidden in steps:
+        for backend, cache in zip(blocks.backends.values(), caches, strict=True):
+            hidden = backend.inference_step(hidden, None, cache)
+        outputs.append(hidden)
+    return outputs
+
+
+def test_decode_steps_of_sessions_merge_into_one_batch_and_equal_their_solo_runs(engine, blocks):
+    generator = torch.Generator().manual_seed(1)
+    prefills = [torch.randn(batch, length, 64, generator=generator) for batch, length in ((1, 5), (2, 3))]
+    steps = [torch.randn(prefill.shape[0], 1, 64, generator=generator) for prefill in prefills]
+    sessions = []
+    for prefill in prefills:
+        session, args = open_session(engine, prefill)
+        first = engine.inference_step(session, args, {})
+        drain(engine)
+        sessions.append((session, first.result()))
+    futures = [
+        engine.inference_step(session, engine.step_args(session, {}, [step]), {})
+        for (session, _), step in zip(sessions, steps, strict=True)
+    ]
+    batches = drain(engine)
+    assert [len(batch.tasks) for batch in batches] == [2]  # one forward per block for both sessions
+    assert engine.scheduler.batches_merged == 1
+    for (_, first), future, prefill, step in zip(sessions, futures, prefills, steps, strict=True):
+        expected = run_directly(blocks, prefill, step)
+        torch.testing.assert_close(first, expected[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(future.result(), expected[1], atol=1e-5, rtol=0)
+
+
+def test_a_long_prefill_runs_block_by_block_in_chunks_and_decode_steps_slip_in(engine, blocks):
+    long_prefill = torch.randn(1, 2 * PREFILL_CHUNK_TOKENS + 10, 64)
+    decoder, args = open_session(engine, torch.randn(1, 1, 64))
+    engine.inference_step(decoder, args, {})
+    drain(engine)
+    prefiller, args = open_session(engine, long_prefill, max_length=2048)
+    prefill = engine.inference_step(prefiller, args, {})
+    first = engine.schedule(0.0)  # the prefill's rewind/reorder task
+    engine.step(first)
+    engine.step(engine.schedule(0.0))  # its first chunk of the first block
+    decode = engine.inference_step(decoder, engine.step_args(decoder, {}, [torch.randn(1, 1, 64)]), {})
+    order = [batch.tasks[0].priority for batch in drain(engine)]
+    assert order[0] == Priority.DECODE and decode.done()  # the decode step came before the prefill's rest
+    assert order[1:] == [Priority.PREFILL] * (2 * 3 - 1)  # 2 blocks × 3 chunks, one of which ran already
+    torch.testing.assert_close(prefill.result(), run_directly(blocks, long_prefill)[0], atol=1e-4, rtol=0)
+
+
+def test_closing_a_session_gives_its_pages_back_after_its_queued_steps(engine):
+    free = engine.budget.tokens_left
+    session, args = open_session(engine, torch.randn(2, 8, 64))
+    step = engine.inference_step(session, args, {})
+    engine.close_session(session)
+    assert engine.sessions.get(session.session_id) is None
+    drain(engine)
+    assert step.result().shape == (2, 8, 64)  # computed before the pages went back
+    assert engine.budget.tokens_left == free
+
+
+def test_an_abandoned_request_is_dropped_from_the_queue(engine):
+    session, args = open_session(engine, torch.randn(1, 3, 64))
+    abandoned = engine.inference_step(session, args, {})
+    assert abandoned.cancel()
+    assert drain(engine) == []
+    assert engine.scheduler.next_batch(0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("step", "metadata", "message"),
+    [
+        (torch.randn(2, 1, 64), {}, "this session has batch size 1"),
+        (torch.randn(1, 1, 64), {"start_from_position": 9}, "start_from_position 9 is beyond the 3 tokens"),
+        (torch.randn(1, 62, 64), {}, "Maximum length exceeded: 3 tokens so far \\+ 62 new > max_length 64"),
+    ],
+)
+def test_a_bad_step_is_refused_before_anything_is_queued(engine, step, metadata, message):
+    session, args = open_session(engine, torch.randn(1, 3, 64))
+    engine.inference_step(session, args, {})
+    drain(engine)
+    with pytest.raises(WireError, match=message):
+        engine.inference_step(session, engine.step_args(session, metadata, [step]), metadata)
+    assert engine.scheduler.next_batch(0.0) is None and session.position == 3
+
+
+def test_requests_for_other_blocks_or_adapters_are_refused(engine):
+    with pytest.raises(NotServedError, match="does not serve tiny.7; it serves tiny.0 to tiny.1"):
+        engine.forward("tiny.7", {}, [torch.randn(1, 1, 64)])
+    with pytest.raises(WireError, match="unknown adapter 'lora'; this server has: none"):
+        engine.forward(UIDS, {"active_adapter": "lora"}, [torch.randn(1, 1, 64)])
+
+
+def test_forward_and_backward_run_one_task_per_block(engine, blocks):
+    hidden = torch.randn(2, 4, 64, requires_grad=True)
+    forward = engine.forward(UIDS, {}, [hidden.detach()])
+    assert len(drain(engine)) == 2
+    grad = torch.randn(2, 4, 64)
+    backward = engine.backward(UIDS, {}, [hidden.detach(), grad])
+    assert len(drain(engine)) == 1 + 2  # the first block's forward again, then a backward per block
+    expected = hidden
+    for backend in blocks.backends.values():
+        expected = backend.module(expected, None)
+    torch.testing.assert_close(forward.result()[0], expected.detach(), atol=1e-5, rtol=0)
+    (expected_grad,) = torch.autograd.grad(expected, hidden, grad)
+    torch.testing.assert_close(backward.result()[0], expected_grad, atol=1e-5, rtol=0)
+
+
+def test_a_session_out_of_pages_fails_alone_in_a_merged_batch(blocks):
+    budget = CacheBudget(list(blocks.backends.values()), tokens_per_block=2 * PAGE_TOKENS)  # two pages
+    engine = ServingEngine(
+        blocks, budget, LIMITS, Scheduler(max_threads=1), dht_prefix="tiny", clock=FakeClock()
+    )
+    full, args = open_session(engine, torch.randn(1, PAGE_TOKENS, 64), max_length=2 * PAGE_TOKENS)
+    engine.inference_step(full, args, {})  # its one page is full
+    other, args = open_session(engine, torch.randn(1, 1, 64), max_length=PAGE_TOKENS)  # takes the last page
+    engine.inference_step(other, args, {})
+    drain(engine)
+    growing = engine.inference_step(full, engine.step_args(full, {}, [torch.randn(1, 1, 64)]), {})
+    fine = engine.inference_step(other, engine.step_args(other, {}, [torch.randn(1, 1, 64)]), {})
+    assert [len(batch.tasks) for batch in drain(engine)] == [2]
+    assert fine.result().shape == (1, 1, 64)
+    with pytest.raises(OutOfPagesError):
+        growing.result()
+
+
+def test_two_servers_in_one_process_share_no_state(blocks):
+    """Counters, metrics and the batch policy's learning belong to each server, not to the process."""
+    prometheus = pytest.importorskip("prometheus_client")
+    servers = []
+    for _ in range(2):
+        metrics = ServerMetrics(prometheus.CollectorRegistry())
+        budget = CacheBudget(list(blocks.backends.values()), tokens_per_block=4096)
+        engine = ServingEngine(
+            blocks,
+            budget,
+            LIMITS,
+            Scheduler(max_threads=2),
+            dht_prefix="tiny",
+            metrics=metrics,
+            clock=FakeClock(),
+        )
+        metrics.serving = engine
+        servers.append((engine, metrics))
+    (busy, busy_metrics), (idle, idle_metrics) = servers
+    session, args = open_session(busy, torch.randn(1, 3, 64))
+    busy.inference_step(session, args, {})
+    drain(busy)
+    busy_metrics.request_started("rpc_inference")
+
+    def scraped(metrics: ServerMetrics) -> str:
+        return prometheus.generate_latest(metrics.registry).decode()
+
+    assert busy.events["inference_steps"] == 1 and idle.events["inference_steps"] == 0
+    assert busy.tokens_processed == 3 and idle.tokens_processed == 0
+    assert 'petals_server_requests_total{rpc="rpc_inference"} 1.0' in scraped(busy_metrics)
+    assert "petals_server_tokens_computed_total 3.0" in scraped(busy_metrics)
+    assert "petals_server_tokens_computed_total 0.0" in scraped(idle_metrics)
+    assert 'rpc="rpc_inference"' not in scraped(idle_metrics)
+    assert busy.scheduler.threads.mean_seconds and not idle.scheduler.threads.mean_seconds
