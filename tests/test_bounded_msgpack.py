@@ -33,10 +33,10 @@ UIDS = make_uids(PREFIX, 0, 4)
 def decode_in_subprocess(bounded: bool) -> subprocess.CompletedProcess:
     script = f"""
         from hivemind.utils.serializer import MSGPackSerializer
-        from petals.bounded_msgpack import bound_msgpack_decoding
+        from petals.patches import BOUNDED_MSGPACK, apply_patches
         from petals.testing.malformed import nested_tuples
         if {bounded}:
-            bound_msgpack_decoding()
+            apply_patches([BOUNDED_MSGPACK])
         try:
             MSGPackSerializer.loads(nested_tuples(200))
         except ValueError as error:

@@ -34,6 +34,9 @@ def test_loads_only_local_tensors(models):
     names = [name for name, _ in remote.named_parameters()]
     assert names and not any(".0." in name or ".1." in name for name in names), names
     assert len(remote.remote_blocks) == remote.config.num_hidden_layers
+    # built from a plain transformers copy of the config, then every module got the model's own
+    assert all(module.config is remote.config for module in remote.modules() if hasattr(module, "config"))
+    assert not any(buffer.is_meta for buffer in remote.buffers())
 
 
 def test_logits_match_local(models):

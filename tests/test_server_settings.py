@@ -60,6 +60,26 @@ def test_options_given_are_mapped_onto_their_settings(tiny_model_path):
     assert settings.network.startup_timeout == 7
 
 
+def test_a_word_list_takes_the_words_up_to_the_next_option():
+    args = [
+        "--adapters",
+        "a",
+        "b",
+        "--tensor-parallel-devices=cpu",
+        "cpu",
+        "--num_blocks",
+        "2",
+        "--adapters",
+        "c",
+    ]
+    given = serve_command.make_context("serve", ["model", *args]).params
+    assert given["adapters"] == ("a", "b", "c")
+    assert given["tensor_parallel_devices"] == ("cpu", "cpu")
+    assert given["num_blocks"] == 2 and given["model"] == "model"
+    with pytest.raises(click.UsageError, match="unexpected extra argument"):
+        serve_command.make_context("serve", ["model", "--adapters", "a", "--", "b"])  # "--" ends the list
+
+
 def serve_options() -> dict[str, click.Option]:
     """The ``petals serve`` options that set a ``ServerSettings`` field, by field name."""
     return {

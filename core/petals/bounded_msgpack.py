@@ -2,15 +2,16 @@
 
 hivemind's ``MSGPackSerializer`` decodes its tuple ext type (and the DHT's dictionary values) by
 calling ``msgpack.unpackb`` again from inside the ext hook, so every nested tuple costs one more
-C-level unpack frame. Measured here: 200 nested tuples (938 bytes) overflow the 8 MiB main-thread
-stack and the process dies with SIGSEGV, which no ``except`` can catch; 100 decode fine. The same
-serializer decodes RPC metadata and every DHT key, subkey and value, so one small request or one
-stored record could kill every server and client that reads it.
+C-level unpack frame. Less than a kilobyte of nested tuples overflows the main thread's stack and the
+process dies with SIGSEGV, which no ``except`` can catch (``tests/test_bounded_msgpack.py`` shows it
+in a subprocess, with ``petals.testing.malformed.nested_tuples``). The same serializer decodes RPC
+metadata and every DHT key, subkey and value, so one small request or one stored record could kill
+every server and client that reads it.
 
 ``check_msgpack`` walks the bytes without recursion (an explicit stack, descending into hivemind's
 ext payloads) and refuses anything deeper than ``MAX_DEPTH`` or larger than ``MAX_BYTES`` before
-the C decoder sees it. ``bound_msgpack_decoding`` puts that check in front of hivemind's decoder for
-the whole process; ``BoundedRecordValidator`` makes our DHT nodes refuse such records, so they are
+the C decoder sees it. ``checking`` puts that check in front of hivemind's decoder, for the whole
+process (``petals.patches`` installs it); ``BoundedRecordValidator`` makes our DHT nodes refuse such records, so they are
 neither stored nor returned by a search.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -142,32 +144,19 @@ def _fits(items: int, pos: int, end: int) -> int:
     return items
 
 
-def bounded_loads(buf: bytes) -> Any:
-    """hivemind's ``MSGPackSerializer.loads`` behind ``check_msgpack``."""
-    try:
-        check_msgpack(buf)
-    except MsgpackLimitError as error:
-        logger.warning("Refused MessagePack from the network: %s", error)
-        raise
-    return _unbounded_loads(buf)
+def checking(loads: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``loads`` (hivemind's ``MSGPackSerializer.loads``) behind ``check_msgpack``; ``petals.patches``
+    puts it in hivemind's place, which covers our RPC metadata and every DHT code path alike."""
 
+    def bounded_loads(buf: bytes) -> Any:
+        try:
+            check_msgpack(buf)
+        except MsgpackLimitError as error:
+            logger.warning("Refused MessagePack from the network: %s", error)
+            raise
+        return loads(buf)
 
-_unbounded_loads = None
-
-
-def bound_msgpack_decoding() -> None:
-    """Make every ``MSGPackSerializer.loads`` in this process check its input first (idempotent).
-
-    hivemind's DHT decodes keys, subkeys and values through this class attribute, so patching it
-    is the one place that covers our RPC metadata and every DHT code path alike.
-    """
-    global _unbounded_loads
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    if _unbounded_loads is not None:
-        return
-    _unbounded_loads = MSGPackSerializer.loads
-    MSGPackSerializer.loads = staticmethod(bounded_loads)
+    return bounded_loads
 
 
 def make_record_validator():

@@ -82,7 +82,7 @@ def tensor_parallel_config(config: PretrainedConfig, world_size: int) -> Any | N
 
 
 def hook_names() -> list[str]:
-    """Names of every hook in this contract (used by the docs meta-test and ``petals plugins``)."""
+    """Names of every hook in this contract (the docs meta-tests in ``tests/test_hook_docs.py`` check each)."""
     return sorted(name for name, value in globals().items() if _is_hookspec(value))
 
 

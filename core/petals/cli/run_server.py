@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -102,30 +102,40 @@ def parse_throughput(ctx: click.Context, param: click.Parameter, value: str | No
 
 
 class WordsOption(click.Option):
-    """``--option a b c`` as in Petals' argparse ``nargs="+"``: the words up to the next option.
-
-    (Repeating the option or quoting ``"a b c"`` works as well.)
-    """
-
-    def add_to_parser(self, parser, ctx: click.Context) -> None:
-        super().add_to_parser(parser, ctx)
-        for name in self.opts:
-            parsed = parser._long_opt[name]  # click has no public hook for variadic options
-            parsed.process = _taking_following_words(parsed.process)
+    """``--option a b c`` as in Petals' argparse ``nargs="+"``: the words up to the next option, which
+    ``ServeCommand`` spreads into a repeated option before click parses. (Repeating the option or
+    quoting ``"a b c"`` works as well.)"""
 
 
-def _taking_following_words(process):
-    def process_words(value, state) -> None:
-        process(value, state)
-        while state.rargs and not state.rargs[0].startswith("-"):
-            process(state.rargs.pop(0), state)
+class ServeCommand(PetalsCommand):
+    """``petals serve``'s command: a ``PetalsCommand`` whose ``WordsOption`` take several words."""
 
-    return process_words
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        names = {name for param in self.params if isinstance(param, WordsOption) for name in param.opts}
+        return super().parse_args(ctx, spread_words(args, names))
+
+
+def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
+    """``--opt a b c`` → ``--opt a --opt b --opt c`` for the options in ``names`` (none after ``--``)."""
+    spread: list[str] = []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        spread.append(arg)
+        if arg == "--":
+            return spread + rest
+        name, equals, _ = arg.partition("=")
+        if name in names:
+            if not equals and rest:
+                spread.append(rest.pop(0))  # its first value, taken as click takes it
+            while rest and not rest[0].startswith("-"):
+                spread += [name, rest.pop(0)]
+    return spread
 
 
 @click.command(
     "serve",
-    cls=PetalsCommand,
+    cls=ServeCommand,
     context_settings={"auto_envvar_prefix": "PETALS", "help_option_names": ["-h", "--help"]},
 )
 @click.argument("model", required=False)
@@ -340,10 +350,10 @@ def run_server(settings: ServerSettings, metrics: NoMetrics) -> NoReturn:
 async def collect_startup_garbage(online: asyncio.Event) -> None:
     """Once the server is ONLINE, free the garbage of starting it and turn the cyclic GC back on.
 
-    Starting creates ~650k objects that live as long as the process (imported modules, mostly);
-    with the GC on, Python traverses them in ~6 full collections while importing, ~0.6 s of a 3 s
-    start, and finds ~10k objects (~7 MiB) of garbage. ``serve_command`` turns the GC off instead,
-    and this one collection after going ONLINE (~0.3 s) frees that garbage.
+    Starting creates hundreds of thousands of objects that live as long as the process (imported
+    modules, mostly); with the GC on, Python traverses all of them in every full collection that
+    importing triggers, to find little garbage. ``serve_command`` turns the GC off instead, and this
+    one collection after going ONLINE frees that garbage (``benchmarks.server_start`` times a start).
     """
     await online.wait()
     resume_gc()
@@ -360,7 +370,8 @@ def release_free_heap() -> None:
     """Hand memory that is free but still held by malloc back to the OS (glibc only; else a no-op).
 
     glibc keeps freed heap pages for reuse; after the startup collection (and a throughput
-    measurement's random block) that is ~7-10 MiB of a server's resident memory.
+    measurement's random block) they would stay in a server's resident memory
+    (``benchmarks.server_memory`` measures what a serving server keeps).
     """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -75,8 +75,9 @@ def exit_now(code: int, message: str) -> NoReturn:
 def exit_without_teardown(code: int) -> NoReturn:
     """Exit once everything is stopped, skipping the interpreter's teardown.
 
-    Tearing down a server's ~650k long-lived objects (torch, transformers) runs the cyclic GC over
-    them, which takes seconds on a busy machine; there is nothing left that needs it.
+    Tearing down a server's hundreds of thousands of long-lived objects (torch, transformers) runs the
+    cyclic GC over them, which can take seconds on a busy machine (``tests/test_server_signals.py``
+    holds a stop to 5 s); there is nothing left that needs it.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

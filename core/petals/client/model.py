@@ -1,7 +1,7 @@
 """Distributed models: a transformers model whose transformer blocks run in the swarm.
 
 No family needs model code here. The transformers class of the checkpoint's model type is built
-with no layers (and its parameters on the meta device), then its layer list (the family config's
+with no layers (on the meta device, then its buffers computed), then its layer list (the family config's
 ``block_prefix``) becomes a one-element list holding ``_RemoteLayers``, which runs every block
 remotely and returns what an HF layer returns. Embeddings, norms and the LM head run locally with
 transformers' own code, loaded from only their tensors in the checkpoint.
@@ -20,15 +20,15 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
     GenerationConfig,
     PretrainedConfig,
 )
@@ -73,10 +73,15 @@ class DistributedModelMixin:
     """In front of a transformers model class; see the module docstring."""
 
     def __init__(self, config: PretrainedConfig, *, network: ClientNetwork | None = None) -> None:
-        with _parameters_on_meta():
-            with _without_layers(config):
-                super().__init__(config)
+        # tensors on the meta device take no memory until the checkpoint fills them; torch.device is a
+        # mode of this thread only (accelerate's init_empty_weights swaps nn.Module.register_parameter)
+        with _plain_copy_without_layers(config) as plain, torch.device("meta"):
+            super().__init__(plain)
             self._use_chunked_lm_head(config)
+        for module in self.modules():
+            if vars(module).get("config") is plain:
+                module.config = config
+        self._compute_buffers()
         parent_name, _, attribute = config.block_prefix.rpartition(".")
         remote = RemoteSequential(config, network=network)
         setattr(
@@ -161,6 +166,24 @@ class DistributedModelMixin:
         return prompts.unsqueeze(1).expand(-1, batch_size, -1, -1).to(dtype)
 
     # ---- loading -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _compute_buffers(self) -> None:
+        """Compute the buffers created on the meta device (rotary frequencies, ...) as transformers'
+        own loading does: by ``_init_weights`` of their module, from the config."""
+        for module in self.modules():
+            names = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+            for name in names:
+                meta = getattr(module, name)
+                setattr(module, name, torch.full(meta.shape, float("nan")).to(meta.dtype))
+            if names:
+                self._init_weights(module)
+            unset = [name for name in names if getattr(module, name).isnan().any()]  # False for integers
+            if unset:
+                raise NotImplementedError(
+                    f"transformers' {type(self).__name__} does not compute the buffers {unset} of its "
+                    f"{type(module).__name__} on its own, so petals cannot build it without its layers"
+                )
 
     def _use_chunked_lm_head(self, config: PretrainedConfig) -> None:
         head = self.get_output_embeddings() if hasattr(self, "get_output_embeddings") else None
@@ -265,43 +288,22 @@ def _refuse_padding():
 
 
 @contextlib.contextmanager
-def _without_layers(config: PretrainedConfig) -> Iterator[None]:
-    """While transformers builds the model: no layers, and the config seen as its plain HF class.
+def _plain_copy_without_layers(config: PretrainedConfig) -> Iterator[PretrainedConfig]:
+    """A copy of ``config`` as its transformers class and with no layers, for transformers to build the
+    local parts from; afterwards ``config`` takes what transformers decided while building (e.g. the
+    attention implementation). The caller's config never changes class, nor loses its layers.
 
     (Heads such as ``*ForSequenceClassification`` build their base model with ``AutoModel.from_config``,
-    which knows the HF config classes only.)
+    which knows the transformers config classes only.)
     """
-    distributed_class, num_blocks = type(config), config.num_hidden_layers
-    hf_class = next(
-        klass for klass in distributed_class.__mro__ if klass.__module__.startswith("transformers.")
-    )
-    config.num_hidden_layers = 0
-    config.__class__ = hf_class
-    try:
-        yield
-    finally:
-        config.__class__ = distributed_class
-        config.num_hidden_layers = num_blocks
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device (no memory), buffers as usual (e.g. rotary frequencies)."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
-        register(module, name, parameter)
-        if parameter is not None:
-            kwargs = module._parameters[name].__dict__
-            module._parameters[name] = type(parameter)(
-                parameter.to("meta"), requires_grad=parameter.requires_grad, **kwargs
-            )
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+    hf_class = next(klass for klass in type(config).__mro__ if klass.__module__.startswith("transformers."))
+    plain = hf_class.from_dict(config.to_dict())
+    plain.num_hidden_layers = 0
+    given = dict(vars(plain))
+    yield plain
+    for key, value in vars(plain).items():
+        if key != "num_hidden_layers" and (key not in given or given[key] != value):
+            setattr(config, key, value)
 
 
 # ---- AutoDistributed* ---------------------------------------------------------------------------
@@ -309,25 +311,24 @@ def _parameters_on_meta() -> Iterator[None]:
 _CLASSES: dict[tuple[type, ...], type] = {}
 
 
-def distributed_class(config: PretrainedConfig, auto_class: type, mixins: tuple[type, ...]) -> type:
-    """The transformers class for ``config`` under ``auto_class``, with ``mixins`` in front."""
-    mapping = auto_class._model_mapping
+def distributed_class(config: PretrainedConfig, auto: type[_AutoDistributed]) -> type:
+    """The transformers class for ``config`` in ``auto``'s mapping, with ``auto``'s mixins in front."""
     for config_class in type(config).__mro__:
         try:
-            hf_class = mapping[config_class]
+            hf_class = auto._mapping[config_class]
             break
         except KeyError:
             continue
     else:
-        raise ValueError(f"{auto_class.__name__} has no model class for model type {config.model_type!r}")
-    key = (*mixins, hf_class)
+        raise ValueError(f"{auto.__name__} has no model class for model type {config.model_type!r}")
+    key = (*auto._mixins, hf_class)
     if key not in _CLASSES:
         _CLASSES[key] = type(f"Distributed{hf_class.__name__}", key, {"__module__": __name__})
     return _CLASSES[key]
 
 
 class _AutoDistributed:
-    _auto_class: type
+    _mapping: Mapping  # transformers' MODEL_*_MAPPING, what its AutoModel* class looks up
     _mixins: tuple[type, ...]
 
     @classmethod
@@ -355,7 +356,7 @@ class _AutoDistributed:
         )
         if not config.initial_peers:
             raise ValueError("pass initial_peers=[multiaddr, ...] of the swarm to join")
-        model_class = distributed_class(config, cls._auto_class, cls._mixins)
+        model_class = distributed_class(config, cls)
         return model_class.from_pretrained(
             model_name_or_path, config=config, network=network, dtype=dtype, **hub_kwargs
         )
@@ -364,19 +365,19 @@ class _AutoDistributed:
 class AutoDistributedModelForCausalLM(_AutoDistributed):
     """The causal LM of any installed family, blocks in the swarm; supports ``generate``."""
 
-    _auto_class = AutoModelForCausalLM
+    _mapping = MODEL_FOR_CAUSAL_LM_MAPPING
     _mixins = (RemoteGenerationMixin, DistributedModelMixin)
 
 
 class AutoDistributedModel(_AutoDistributed):
     """The base model (hidden states out) of any installed family, blocks in the swarm."""
 
-    _auto_class = AutoModel
+    _mapping = MODEL_MAPPING
     _mixins = (DistributedModelMixin,)
 
 
 class AutoDistributedModelForSequenceClassification(_AutoDistributed):
     """Sequence classification with a local trainable head (``score``), blocks in the swarm."""
 
-    _auto_class = AutoModelForSequenceClassification
+    _mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
     _mixins = (DistributedModelMixin,)

@@ -9,7 +9,7 @@ so a local swarm (tests, demos) sends nothing beyond the machine.
 hivemind (and with it torch) is imported only when a peer is created, so ``petals serve --help``
 and option errors come back at once.
 
-p2pd runs in a session of its own, so that a signal to our process group (Ctrl-C in a terminal,
+p2pd runs in a session of its own (hivemind has no option for it: ``petals.patches``), so that a signal to our process group (Ctrl-C in a terminal,
 ``timeout``, ``kill -- -PGID``) reaches only the Python side, which can then still announce OFFLINE
 through the daemon before stopping it. p2pd exits by itself when its Python process dies. Every
 call to p2pd is awaited only while it lives (``while_daemon_lives``): hivemind's control client
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import os
 import signal
 import weakref
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -67,26 +65,27 @@ class NetworkOptions:
     async def create_p2p(self) -> P2P:
         from hivemind.p2p import P2P
 
-        from petals.bounded_msgpack import bound_msgpack_decoding
+        from petals.patches import apply_patches, p2pd_started_apart
 
-        bound_msgpack_decoding()  # before the first byte arrives: the DHT decodes with hivemind's serializer
-        _spawn_daemons_apart()
-        spawning = _spawning_daemon.set(True)
-        try:
-            return await P2P.create(
-                initial_peers=list(self.initial_peers),
-                host_maddrs=list(self.host_maddrs),
-                announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
-                identity_path=self.identity_path,
-                nat_port_map=self.nat_port_map,
-                auto_nat=self.auto_nat,
-                use_relay=self.use_relay,
-                use_auto_relay=self.use_auto_relay,
-                startup_timeout=self.startup_timeout,
-                **self.extra,
-            )
-        finally:
-            _spawning_daemon.reset(spawning)
+        apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
+        with p2pd_started_apart() as started:
+            try:
+                p2p = await P2P.create(
+                    initial_peers=list(self.initial_peers),
+                    host_maddrs=list(self.host_maddrs),
+                    announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
+                    identity_path=self.identity_path,
+                    nat_port_map=self.nat_port_map,
+                    auto_nat=self.auto_nat,
+                    use_relay=self.use_relay,
+                    use_auto_relay=self.use_auto_relay,
+                    startup_timeout=self.startup_timeout,
+                    **self.extra,
+                )
+            finally:
+                _daemons.update(started)
+        _daemon_of[p2p] = started[-1]  # any p2pd before it checked whether our identity was taken
+        return p2p
 
 
 class DaemonGone(ConnectionError):
@@ -95,44 +94,24 @@ class DaemonGone(ConnectionError):
 
 # how long a p2pd whose sockets fail may take to exit, to tell its death from a glitch
 DAEMON_EXIT_SECONDS = 0.5
-# set while create_p2p runs, so that only the p2pd it starts goes into a session of its own
-_spawning_daemon: contextvars.ContextVar[bool] = contextvars.ContextVar("spawning_daemon", default=False)
 # every p2pd started here, for kill_daemons(); an exited one is dropped with its Process object
 _daemons: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
-
-
-def _spawn_daemons_apart() -> None:
-    """Make ``P2P.create`` start p2pd with ``start_new_session=True`` (see the module docstring).
-
-    hivemind 1.1 offers no option for it: it calls ``asyncio.subprocess.create_subprocess_exec``
-    itself, so this wraps that function once, for the calls made inside ``create_p2p`` only.
-    """
-    original = asyncio.subprocess.create_subprocess_exec
-    if getattr(original, "petals_spawns_daemons_apart", False):
-        return
-
-    async def create_subprocess_exec(program, *args, **kwargs):
-        if not _spawning_daemon.get() or Path(str(program)).name != "p2pd":
-            return await original(program, *args, **kwargs)
-        process = await original(program, *args, start_new_session=True, **kwargs)
-        _daemons.add(process)
-        return process
-
-    create_subprocess_exec.petals_spawns_daemons_apart = True
-    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+# the p2pd of each P2P that create_p2p made
+_daemon_of: weakref.WeakKeyDictionary[P2P, asyncio.subprocess.Process] = weakref.WeakKeyDictionary()
 
 
 def daemon_alive(p2p: P2P) -> bool:
     """False once the p2pd that ``p2p`` started has exited (True for a daemon it did not start)."""
-    child = p2p._child  # hivemind keeps the daemon's asyncio Process here
-    return child is None or child.returncode is None
+    process = _daemon_of.get(p2p)
+    return process is None or process.returncode is None
 
 
 async def while_daemon_lives(p2p: P2P, awaitable: Awaitable[T], timeout: float) -> T:
     """Await ``awaitable`` for at most ``timeout`` s (``TimeoutError``), or until p2pd exits (``DaemonGone``)."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(awaitable)
-    exited = asyncio.ensure_future(p2p._child.wait()) if p2p._child is not None else loop.create_future()
+    process = _daemon_of.get(p2p)
+    exited = asyncio.ensure_future(process.wait()) if process is not None else loop.create_future()
     try:
         await asyncio.wait({task, exited}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -165,10 +144,13 @@ async def leave_network(p2p: P2P, node: DHTNode | None, timeout: float = 1.0) ->
     try:
         await asyncio.wait_for(p2p.shutdown(), max(deadline - loop.time(), 0.1))
     except TimeoutError:
+        process = _daemon_of.get(p2p)
+        if process is None:
+            raise
         logger.warning("The network daemon (p2pd) did not stop within %.1f s; killed it", timeout)
         with contextlib.suppress(ProcessLookupError):
-            p2p._child.kill()
-        await asyncio.wait_for(p2p._child.wait(), 1)
+            process.kill()
+        await asyncio.wait_for(process.wait(), 1)
 
 
 def kill_daemons() -> None:

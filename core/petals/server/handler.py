@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids
+from petals.patches import limit_inbound_message_size
 from petals.server.engine import ServingEngine
 from petals.server.metrics import NO_METRICS, NoMetrics
 from petals.server.refusals import quiet_hivemind_refusals, reporting
@@ -36,7 +37,6 @@ from petals.wire import (
     WireError,
     block_schemas,
     deserialize_tensors,
-    limit_message_size,
     read_metadata,
     read_stream,
     response_parts,
@@ -100,7 +100,7 @@ class TransformerConnectionHandler(ServicerBase):
             self.limits.max_batch_size, blocks.hidden_size, len(blocks)
         )
         # one message holds a whole inference step, or one part of a stream (Petals: up to 4 MiB)
-        limit_message_size(max(self.max_request_bytes, MAX_STREAM_PART_BYTES + 2**16))
+        limit_inbound_message_size(self.p2p, max(self.max_request_bytes, MAX_STREAM_PART_BYTES + 2**16))
         quiet_hivemind_refusals()
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

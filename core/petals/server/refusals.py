@@ -56,7 +56,7 @@ QUIET = (*REFUSALS, Refusal)
 
 def _quiet_refusals(record: logging.LogRecord) -> bool:
     """hivemind logs every exception of a stream handler as a WARN traceback; refusals are a peer's
-    mistake, already logged once (by ``_reporting`` or ``limit_message_size``), so drop those records."""
+    mistake, already logged once (by ``_reporting`` or ``limit_inbound_message_size``), so drop those records."""
     return not (record.exc_info and isinstance(record.exc_info[1], QUIET))
 
 

@@ -1,0 +1,194 @@
+"""Every change petals makes to a third-party library, each checked against the version it was written for.
+
+hivemind 1.1.12 offers no option for three things petals needs, so petals changes its behaviour:
+
+* ``MSGPackSerializer.loads`` checks nesting depth and size first (``petals.bounded_msgpack``): the
+  DHT decodes every key, subkey and value through this class attribute, and less than a kilobyte of
+  nested tuples overflows the C stack of whoever decodes them;
+* ``P2P.create`` starts p2pd in a session of its own (``p2pd_started_apart``), so that a signal to
+  our process group reaches only the Python side, which can then still announce OFFLINE through
+  the daemon (``petals.network.p2p``);
+* a server's P2P refuses, unread, an inbound stream message longer than the server accepts
+  (``limit_inbound_message_size``): hivemind reads a stream message whole, however long its header
+  says it is, before a handler sees it.
+
+Each is a ``Patch`` in ``PATCHES``: the attribute it replaces, the distribution whose code it was
+written against and the versions it was tested with. Applying one first checks the installed
+version and refuses an untested one with one line saying what to install (``UntestedVersionError``).
+The process-wide ones are applied once, by ``apply_patches``, where every entry point creates its
+peer: ``NetworkOptions.create_p2p``, which server start, ``petals dht``, the client's
+``from_pretrained`` and ``petals.testing`` all go through (so ``petals --help`` still imports
+neither hivemind nor torch). Nothing else in petals assigns into a third-party module or class
+(``tests/test_patches.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import importlib.metadata
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+logger = logging.getLogger(__name__)
+
+
+class UntestedVersionError(RuntimeError):
+    """A patched library is installed in a version its patch was not written for."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # what it replaces, as "module:Qualified.name"
+    distribution: str  # whose code it was written against
+    versions: tuple[str, ...]  # the versions of that distribution it is tested with
+    reason: str
+    install: Callable[[], None] | None = None  # process-wide patches: apply_patches runs it once
+
+    def check_version(self) -> None:
+        installed = importlib.metadata.version(self.distribution)
+        if installed not in self.versions:
+            tested = " or ".join(self.versions)
+            raise UntestedVersionError(
+                f"petals patches {self.target} as {self.distribution} {tested} has it, but {self.distribution} "
+                f"{installed} is installed: pip install '{self.distribution}=={self.versions[-1]}'"
+            )
+
+
+def _bound_msgpack_decoding() -> None:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from petals.bounded_msgpack import checking
+
+    MSGPackSerializer.loads = staticmethod(checking(MSGPackSerializer.loads))
+
+
+# set while petals creates a P2P: the p2pd processes started meanwhile (see p2pd_started_apart)
+_p2pd_started: contextvars.ContextVar[list[asyncio.subprocess.Process] | None] = contextvars.ContextVar(
+    "p2pd_started", default=None
+)
+
+
+def _start_p2pd_apart() -> None:
+    original = asyncio.subprocess.create_subprocess_exec
+
+    async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        started = _p2pd_started.get()
+        if started is None or Path(str(program)).name != "p2pd":
+            return await original(program, *args, **kwargs)
+        process = await original(program, *args, start_new_session=True, **kwargs)
+        started.append(process)
+        return process
+
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+HIVEMIND = ("hivemind", ("1.1.12",))
+
+BOUNDED_MSGPACK = Patch(
+    "hivemind.utils.serializer:MSGPackSerializer.loads",
+    *HIVEMIND,
+    reason="refuse MessagePack nested too deep or too large before the C decoder recurses into it",
+    install=_bound_msgpack_decoding,
+)
+P2PD_APART = Patch(
+    "asyncio.subprocess:create_subprocess_exec",
+    *HIVEMIND,
+    reason="P2P.create starts p2pd through it and offers no start_new_session option",
+    install=_start_p2pd_apart,
+)
+INBOUND_MESSAGE_LIMIT = Patch(
+    "hivemind.p2p:P2P.add_binary_stream_handler (of one P2P instance)",
+    *HIVEMIND,
+    reason="P2P registers its stream handlers through it and reads a message body with one "
+    "readexactly(length), however long the length header says it is",
+)
+PATCHES: tuple[Patch, ...] = (BOUNDED_MSGPACK, P2PD_APART, INBOUND_MESSAGE_LIMIT)
+
+_applied: set[str] = set()
+_applying = threading.Lock()
+
+
+def apply_patches(patches: Sequence[Patch] = PATCHES) -> None:
+    """Install the process-wide ``patches`` not installed yet; refuse (changing nothing) if any is untested."""
+    with _applying:
+        pending = [patch for patch in patches if patch.install is not None and patch.target not in _applied]
+        for patch in pending:
+            patch.check_version()
+        for patch in pending:
+            patch.install()
+            _applied.add(patch.target)
+
+
+@contextlib.contextmanager
+def p2pd_started_apart() -> Iterator[list[asyncio.subprocess.Process]]:
+    """Within: every p2pd that hivemind starts runs in a session of its own; yields them as they start."""
+    if P2PD_APART.target not in _applied:
+        raise RuntimeError("p2pd_started_apart needs apply_patches() first")
+    started: list[asyncio.subprocess.Process] = []
+    token = _p2pd_started.set(started)
+    try:
+        yield started
+    finally:
+        _p2pd_started.reset(token)
+
+
+def limit_inbound_message_size(p2p: P2P, max_bytes: int) -> None:
+    """Refuse any message longer than ``max_bytes`` that another peer sends on a stream to one of
+    ``p2p``'s handlers registered after this call, before reading its body.
+
+    Unary calls are capped by the daemon; streams are not. The stream is closed unread (hivemind
+    logs the ``MessageTooLarge`` and closes it) and one INFO line says so. Streams this ``p2p``
+    opens as a client, and other ``P2P`` instances, keep hivemind's behaviour. Calling it again
+    changes the limit of the streams that open afterwards.
+    """
+    INBOUND_MESSAGE_LIMIT.check_version()
+    registering = vars(p2p).get("add_binary_stream_handler")
+    if isinstance(registering, _BoundedStreams):
+        registering.max_bytes = max_bytes
+        return
+    p2p.add_binary_stream_handler = _BoundedStreams(p2p.add_binary_stream_handler, max_bytes)
+
+
+class _BoundedStreams:
+    """``P2P.add_binary_stream_handler`` of one instance, whose handlers read through a ``_BoundedReader``."""
+
+    def __init__(self, register: Callable, max_bytes: int) -> None:
+        self.register, self.max_bytes = register, max_bytes
+
+    async def __call__(self, name: str, handler: Callable, balanced: bool = False) -> None:
+        async def bounded_handler(stream_info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
+            await handler(stream_info, _BoundedReader(reader, self.max_bytes), writer)
+
+        await self.register(name, bounded_handler, balanced)
+
+
+class _BoundedReader:
+    """A stream's reader that refuses to read more than ``max_bytes`` at once: hivemind reads each
+    message's body with one ``readexactly(length)`` (its marker and length header take 1 and 8 bytes)."""
+
+    def __init__(self, reader: asyncio.StreamReader, max_bytes: int) -> None:
+        self._reader, self._max_bytes = reader, max_bytes
+
+    async def readexactly(self, length: int) -> bytes:
+        if length > self._max_bytes:
+            from petals.wire import MessageTooLarge
+
+            logger.info(
+                "Refused a %d-byte stream message (this server's limit: %d bytes)", length, self._max_bytes
+            )
+            raise MessageTooLarge(
+                f"a {length}-byte message exceeds this server's limit of {self._max_bytes} bytes"
+            )
+        return await self._reader.readexactly(length)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)

@@ -1,0 +1,215 @@
+"""Every patch of a third-party library lives in ``petals.patches``, is declared with the version it was
+written for, refuses an untested one, and the per-server message limit leaves other peers' and
+client streams alone."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import P2PContext, P2PHandlerError
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import as_aiter
+from hivemind.utils.serializer import MSGPackSerializer
+
+from petals import patches
+from petals.bounded_msgpack import MsgpackLimitError
+from petals.cli.errors import explain
+from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
+from petals.testing.malformed import nested_tuples
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES_MODULE = ROOT / "core" / "petals" / "patches.py"
+SOURCES = sorted(
+    path
+    for pattern in ("core/petals/**/*.py", "petals_*/petals_*/**/*.py", "plugins/*/petals_*/**/*.py")
+    for path in ROOT.glob(pattern)
+)
+
+
+def test_every_patch_declares_what_it_replaces_and_the_versions_it_was_written_for():
+    assert [patch.target for patch in patches.PATCHES] == [
+        "hivemind.utils.serializer:MSGPackSerializer.loads",
+        "asyncio.subprocess:create_subprocess_exec",
+        "hivemind.p2p:P2P.add_binary_stream_handler (of one P2P instance)",
+    ]
+    for patch in patches.PATCHES:
+        assert patch.reason and patch.versions
+        assert importlib.metadata.version(patch.distribution) in patch.versions  # the pinned stack is tested
+        patch.check_version()
+
+
+def test_an_untested_version_is_refused_in_one_line_and_nothing_is_patched():
+    installed = []
+    untested = patches.Patch(
+        "hivemind.p2p:P2P.something", "hivemind", ("0.0.1",), "a test", install=lambda: installed.append(1)
+    )
+    with pytest.raises(patches.UntestedVersionError) as refusal:
+        patches.apply_patches([patches.BOUNDED_MSGPACK, untested])
+    message = str(refusal.value)
+    assert "\n" not in message
+    assert "hivemind.p2p:P2P.something" in message
+    assert f"hivemind {importlib.metadata.version('hivemind')} is installed" in message
+    assert "pip install 'hivemind==0.0.1'" in message
+    assert installed == []
+    assert explain(refusal.value) == message  # a petals command ends with it as its one error line
+
+
+def test_patches_are_applied_once():
+    patches.apply_patches()
+    loads = MSGPackSerializer.loads
+    patches.apply_patches()
+    assert MSGPackSerializer.loads is loads
+    with pytest.raises(MsgpackLimitError):  # checked before the C decoder would overflow its stack
+        MSGPackSerializer.loads(nested_tuples(200))
+
+
+# ---- nothing else assigns into a third-party module or class -----------------------------------
+
+
+def assignments_into_third_party_code(source: str) -> list[str]:
+    """Attribute assignments (``=``, ``+=``, ``del``, ``setattr``/``delattr``) whose target is reached
+    from a name this module imported from a package other than petals."""
+    tree = ast.parse(source)
+    imported: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(alias.asname or alias.name).split(".")[0]: alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported |= {alias.asname or alias.name: node.module for alias in node.names}
+    third_party = {name for name, module in imported.items() if module.split(".")[0] != "petals"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"setattr", "delattr"}
+        ):
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Attribute) and _root_name(target) in third_party:
+                found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Subscript | ast.Call):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def test_no_module_but_petals_patches_assigns_into_a_third_party_module_or_class():
+    assert len(SOURCES) > 50 and PATCHES_MODULE in SOURCES
+    found = {
+        str(path.relative_to(ROOT)): assignments
+        for path in SOURCES
+        if path != PATCHES_MODULE and (assignments := assignments_into_third_party_code(path.read_text()))
+    }
+    assert found == {}, "patch third-party code in petals/patches.py only, with its version check"
+
+
+def test_the_check_finds_patches_and_leaves_our_own_objects_alone():
+    patching = """
+import asyncio.subprocess
+import torch.nn as nn
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind import p2p
+nn.Module.register_parameter = lambda *args: None
+MSGPackSerializer.loads = staticmethod(len)
+asyncio.subprocess.create_subprocess_exec = None
+setattr(p2p.P2P, "receive_raw_data", None)
+del nn.Linear.forward
+"""
+    assert len(assignments_into_third_party_code(patching)) == 5
+    ours = """
+import os
+import torch
+from petals import wire
+from petals.config import LazyClass
+os.environ["PETALS_LOG_LEVEL"] = "DEBUG"
+module = torch.nn.Linear(1, 1)
+module.weight = None
+setattr(module, "bias", None)
+wire.MAX_STREAM_PART_BYTES = 1
+LazyClass.path = "x"
+"""
+    assert assignments_into_third_party_code(ours) == []
+    assert (
+        len(assignments_into_third_party_code(PATCHES_MODULE.read_text())) >= 2
+    )  # it does find the real ones
+
+
+# ---- the message-size limit belongs to one server's P2P -----------------------------------------
+
+LIMIT = 10_000
+LOOPBACK = {"host_maddrs": LOOPBACK_MADDRS, "nat_port_map": False, "auto_nat": False, "use_relay": False}
+
+
+async def echo(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async for request in requests:
+        yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+
+def echo_request(size: int) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=b"x" * size)
+
+
+async def call_echo(p2p, peer_id, size: int) -> int:
+    """Send ``size`` bytes to ``peer_id``'s echo handler on a stream; the length of the echo."""
+    responses = await p2p.iterate_protobuf_handler(
+        peer_id, "echo", as_aiter(echo_request(size)), runtime_pb2.ExpertResponse
+    )
+    return sum([len(response.metadata) async for response in responses])
+
+
+async def add_echo(p2p) -> None:
+    await p2p.add_protobuf_handler(
+        "echo", echo, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+    )
+
+
+def test_a_server_limit_refuses_only_inbound_streams_of_its_own_p2p(caplog):
+    async def scenario() -> None:
+        server = await NetworkOptions(**LOOPBACK).create_p2p()
+        peer = None
+        try:
+            patches.limit_inbound_message_size(server, LIMIT)
+            await add_echo(server)
+            maddrs = [str(maddr) for maddr in await server.get_visible_maddrs()]
+            peer = await NetworkOptions(initial_peers=maddrs, **LOOPBACK).create_p2p()
+            await add_echo(peer)
+
+            assert await call_echo(peer, server.peer_id, LIMIT // 2) == LIMIT // 2
+            with caplog.at_level(logging.INFO, logger="petals.patches"):
+                try:
+                    echoed = await call_echo(peer, server.peer_id, 2 * LIMIT)
+                except (P2PHandlerError, ConnectionError):  # the sender may see the stream break instead
+                    echoed = 0
+            assert echoed == 0  # closed unread, without an answer
+            refused = echo_request(2 * LIMIT).ByteSize()
+            assert [record.getMessage() for record in caplog.records if record.name == "petals.patches"] == [
+                f"Refused a {refused}-byte stream message (this server's limit: {LIMIT} bytes)"
+            ]
+            assert await call_echo(peer, server.peer_id, LIMIT // 2) == LIMIT // 2  # still serving
+            # the streams the server opens as a client, and the other peer's handlers, are not limited:
+            # 4 * LIMIT bytes go to the peer and come back
+            assert await call_echo(server, peer.peer_id, 4 * LIMIT) == 4 * LIMIT
+        finally:
+            for p2p in (peer, server):
+                if p2p is not None:
+                    await leave_network(p2p, None)
+
+    asyncio.run(scenario())
