@@ -39,7 +39,7 @@ class ClientConfig:
     max_backoff: float = 60
     ban_timeout: float = 15
     active_adapter: str | None = None
-    max_pinged: int = 3
+    max_pinged: int = 3  # accepted as in Petals; every candidate server is pinged (routing.update)
     ping_timeout: float = 2
     # the client's own libp2p peer (hivemind P2P.create); tests and one-machine swarms listen on
     # 127.0.0.1 only with NAT port mapping, AutoNAT and relays off
@@ -47,6 +47,11 @@ class ClientConfig:
     nat_port_map: bool = True
     auto_nat: bool = True
     use_relay: bool = True
+    # a private swarm (petals.membership): the authority's public key, this client's certificate and
+    # the identity file it was issued for
+    swarm_authority: str | None = None
+    membership: str | None = None
+    identity_path: str | None = None
 
 
 class PTuneConfig:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from hivemind.dht import DHTNode
+from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
@@ -25,14 +26,24 @@ from petals.data_structures import (
     ServerState,
     parse_uid,
 )
+from petals.membership import SwarmMembership, tolerating_revoked
 
 logger = logging.getLogger(__name__)
 
 
-async def create_node(p2p: P2P, initial_peers: Sequence[str], **kwargs) -> DHTNode:
-    """A ``DHTNode`` on ``p2p`` that neither stores nor returns records our decoder would refuse."""
+async def create_node(
+    p2p: P2P, initial_peers: Sequence[str], membership: SwarmMembership | None = None, **kwargs
+) -> DHTNode:
+    """A ``DHTNode`` on ``p2p`` that neither stores nor returns records our decoder would refuse, nor,
+    in a private swarm, records that no certified server signed."""
+    validators = [make_record_validator()]
+    if membership is not None:
+        validators.append(membership.validator)
     return await DHTNode.create(
-        p2p=p2p, initial_peers=list(initial_peers), record_validator=make_record_validator(), **kwargs
+        p2p=p2p,
+        initial_peers=list(initial_peers),
+        record_validator=CompositeValidator(validators),
+        **kwargs,
     )
 
 
@@ -68,7 +79,8 @@ async def get_remote_module_infos(
 
     ``latest`` traverses the DHT for the freshest records instead of accepting any unexpired one.
     """
-    found = await node.get_many(list(uids), sufficient_expiration_time=float("inf") if latest else None)
+    with tolerating_revoked():  # a revoked server's record must not hide the others: readers filter it
+        found = await node.get_many(list(uids), sufficient_expiration_time=float("inf") if latest else None)
     infos = []
     for uid in uids:
         module_info = RemoteModuleInfo(uid)
@@ -95,7 +107,8 @@ async def get_remote_module_infos(
 
 async def get_model_index(node: DHTNode) -> dict[str, ModelInfo]:
     """The ``_petals.models`` index: dht_prefix → ModelInfo."""
-    entry = await node.get(MODEL_INDEX_KEY, latest=True)
+    with tolerating_revoked():
+        entry = await node.get(MODEL_INDEX_KEY, latest=True)
     models = {}
     for prefix, record in (
         entry.value if entry is not None and isinstance(entry.value, dict) else {}

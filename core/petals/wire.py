@@ -57,6 +57,12 @@ class NotServedError(WireError):
     kind = "not_served"
 
 
+class UnauthorizedError(WireError):
+    """A private swarm's server refuses a caller that is not a member (``petals.membership``)."""
+
+    kind = "unauthorized"
+
+
 # What a refusal means to a client, sent as a "[kind] " prefix of the error text (the only field of
 # hivemind's RPCError; a stock Petals client just shows the text):
 ERROR_KINDS = {
@@ -65,6 +71,7 @@ ERROR_KINDS = {
     "cache_full": "no KV cache left for the session here: another server may have some",
     "timeout": "the server gave up waiting (for the client or its compute queue)",
     "internal": "the server failed while computing: another server may not",
+    "unauthorized": "a private swarm's server serves only members: the caller presented no valid certificate",
 }
 _KIND_PATTERN = re.compile(r"\[(" + "|".join(ERROR_KINDS) + r")\] ")
 

@@ -23,6 +23,7 @@ LAZY_COMMANDS = {
     "health": "petals.cli.health:health_command",
     "monitor": "petals.cli.monitor:monitor_command",
     "chat": "petals.cli.chat:chat_command",
+    "swarm": "petals.cli.swarm:swarm_command",
 }
 
 

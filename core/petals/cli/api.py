@@ -7,10 +7,13 @@ from pathlib import Path
 
 import click
 
+from petals.cli.errors import PetalsCommand
+from petals.cli.options import private_swarm_options
+
 READY_MESSAGE = "petals api: serving"
 
 
-@click.command("api")
+@click.command("api", cls=PetalsCommand)  # known failures (a bad --membership) in one line
 @click.argument("model")
 @click.option(
     "--initial_peers", "--initial-peers", multiple=True, required=True, help="Multiaddr of a swarm peer."
@@ -53,6 +56,7 @@ READY_MESSAGE = "petals api: serving"
     show_default=True,
     help="Seconds a WebSocket session may stay idle.",
 )
+@private_swarm_options
 def api_command(
     model: str,
     initial_peers: tuple[str, ...],
@@ -65,6 +69,7 @@ def api_command(
     max_tokens: int,
     max_request_bytes: int,
     session_timeout: float,
+    **private_swarm: str | None,
 ) -> None:
     """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
     from petals.api.service import Limits
@@ -82,6 +87,7 @@ def api_command(
         model_id=model_id,
         limits=limits,
         dht_prefix=dht_prefix,
+        private_swarm=private_swarm,
     )
 
 
@@ -97,6 +103,7 @@ def run_api(
     model_id: str | None = None,
     dht_prefix: str | None = None,
     on_ready: Callable[[str, str], None] | None = None,
+    private_swarm: dict[str, str | None] | None = None,
 ) -> None:
     """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
     try:
@@ -114,7 +121,11 @@ def run_api(
     sock = bind(host, port)  # before loading: a taken port fails at once
     tokenizer = AutoTokenizer.from_pretrained(model)
     distributed = AutoDistributedModelForCausalLM.from_pretrained(
-        model, initial_peers=initial_peers, dht_prefix=dht_prefix, **(LOOPBACK_CLIENT if loopback else {})
+        model,
+        initial_peers=initial_peers,
+        dht_prefix=dht_prefix,
+        **(LOOPBACK_CLIENT if loopback else {}),
+        **(private_swarm or {}),
     )
     try:
         model_id = model_id or (Path(model).name if Path(model).is_dir() else model)

@@ -82,6 +82,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("P2PDaemonError", lambda error: f"the p2p daemon failed: {_daemon_detail(error)}"),
     KnownFailure("SwarmUnreachableError", str),
     KnownFailure("MissingBlocksError", str),
+    KnownFailure("MembershipError", str),
     KnownFailure("ModuleNotFoundError", _missing_package),
     KnownFailure("ImportError", str),  # ours say which extra to install
     KnownFailure("PluginError", str),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from petals.cli.options import option, split_words
+from petals.cli.options import PRIVATE_SWARM_OPTIONS, option, private_swarm_options, split_words
 from petals.network.p2p import ALL_INTERFACES, LOOPBACK_MADDRS, NetworkOptions
 
 if TYPE_CHECKING:
@@ -54,15 +54,16 @@ class SwarmQuery:
 
 
 def swarm_query_options(command: Callable) -> Callable:
-    """MODEL, ``--initial_peers``, ``--loopback`` and ``--update_period``, shared by ``petals health``
-    and ``petals monitor``, handed to ``command`` as one ``query: SwarmQuery``."""
+    """MODEL, ``--initial_peers``, ``--loopback``, ``--update_period`` and a private swarm's options,
+    shared by ``petals health`` and ``petals monitor``, handed to ``command`` as one ``query: SwarmQuery``."""
 
     @functools.wraps(command)
     def with_query(
         model: str | None, initial_peers: tuple[str, ...], loopback: bool, update_period: float, **kwargs: Any
     ) -> Any:
-        query = SwarmQuery(model, client_network_options(initial_peers, loopback), update_period)
-        return command(query=query, **kwargs)
+        private_swarm = {name: kwargs.pop(name) for name in PRIVATE_SWARM_OPTIONS}
+        network = client_network_options(initial_peers, loopback, **private_swarm)
+        return command(query=SwarmQuery(model, network, update_period), **kwargs)
 
     peers_help = "Multiaddrs of swarm peers (repeat or space-separate)."
     model = click.argument("model", required=False)
@@ -71,11 +72,14 @@ def swarm_query_options(command: Callable) -> Callable:
         "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
     )
     period = option("--update_period", type=click.FloatRange(min=0.1), default=15, show_default=True)
-    return model(peers(loopback(period(with_query))))
+    return model(peers(loopback(period(private_swarm_options(with_query)))))
 
 
-def client_network_options(initial_peers: Sequence[str], loopback: bool) -> NetworkOptions:
+def client_network_options(
+    initial_peers: Sequence[str], loopback: bool, **private_swarm: str | None
+) -> NetworkOptions:
     return NetworkOptions(
+        **private_swarm,
         initial_peers=split_words(initial_peers),
         host_maddrs=LOOPBACK_MADDRS if loopback else ALL_INTERFACES,
         nat_port_map=not loopback,
@@ -86,11 +90,12 @@ def client_network_options(initial_peers: Sequence[str], loopback: bool) -> Netw
 
 def join_swarm(options: NetworkOptions) -> ClientNetwork:
     """A client peer in the swarm; a swarm it cannot reach is one line saying so, not a traceback."""
+    from petals.membership import MembershipError
     from petals.network.client import ClientNetwork, SwarmUnreachableError
 
     try:
         return ClientNetwork(options)
-    except SwarmUnreachableError as error:
+    except (SwarmUnreachableError, MembershipError) as error:
         raise click.ClickException(str(error)) from None
 
 

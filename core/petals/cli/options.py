@@ -20,6 +20,8 @@ def network_options_from_cli(
     port: int | None,
     public_ip: str | None,
     identity_path: str | None,
+    swarm_authority: str | None,
+    membership: str | None,
     loopback: bool,
     no_nat_port_map: bool,
     no_auto_nat: bool,
@@ -53,11 +55,22 @@ def network_options_from_cli(
         host_maddrs=hosts,
         announce_maddrs=announce,
         identity_path=identity_path,
+        swarm_authority=swarm_authority,
+        membership=membership,
         nat_port_map=not (loopback or no_nat_port_map),
         auto_nat=not (loopback or no_auto_nat),
         use_relay=not (loopback or no_relay),
         use_auto_relay=use_auto_relay and not loopback,
     )
+
+
+def check_private_swarm(network: NetworkOptions, *, certificate_required: bool = True) -> None:
+    """Fail at once, before anything slow, if ``--swarm_authority``/``--membership`` cannot work."""
+    if network.swarm_authority is None and network.membership is None:
+        return
+    from petals.membership import load_membership
+
+    load_membership(network, certificate_required=certificate_required)
 
 
 def exclusive(*flags: tuple[str, bool]) -> None:
@@ -90,9 +103,7 @@ def network_cli_options(command: Callable) -> Callable:
             help="Listen on this TCP port (on all interfaces, or 127.0.0.1 with --loopback).",
         ),
         option("--public_ip", help="Announce this IP with --port (for servers behind port forwarding)."),
-        option(
-            "--identity_path", type=click.Path(dir_okay=False), help="Private key file for a stable peer id."
-        ),
+        *private_swarm_option_list(identity=True),
         option(
             "--loopback",
             is_flag=True,
@@ -106,6 +117,38 @@ def network_cli_options(command: Callable) -> Callable:
         option("--use_auto_relay", is_flag=True, help="Look for relays automatically when behind NAT."),
     ]
     for decorate in reversed(options):
+        command = decorate(command)
+    return command
+
+
+def private_swarm_option_list(identity: bool) -> list[Callable]:
+    """``--identity_path`` (if ``identity``), ``--swarm_authority`` and ``--membership`` (``petals.membership``)."""
+    identity_option = option(
+        "--identity_path",
+        type=click.Path(dir_okay=False),
+        help="Private key file for a stable peer id (in a private swarm: the one --membership certifies).",
+    )
+    return [
+        *([identity_option] if identity else []),
+        option(
+            "--swarm_authority",
+            type=click.Path(dir_okay=False),
+            help="A private swarm's authority.pub (`petals swarm init`): only its members take part.",
+        ),
+        option(
+            "--membership",
+            type=click.Path(dir_okay=False),
+            help="This peer's membership certificate in the private swarm (`petals swarm admit`).",
+        ),
+    ]
+
+
+PRIVATE_SWARM_OPTIONS = ("identity_path", "swarm_authority", "membership")  # also ClientConfig fields
+
+
+def private_swarm_options(command: Callable) -> Callable:
+    """``--identity_path``, ``--swarm_authority``, ``--membership`` for commands that join as clients."""
+    for decorate in reversed(private_swarm_option_list(identity=True)):
         command = decorate(command)
     return command
 

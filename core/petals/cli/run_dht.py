@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -31,15 +32,38 @@ logger = logging.getLogger(__name__)
 @option("--log_period", type=float, default=30, show_default=True, help="Seconds between status log lines.")
 # the old name of --log_period (it never refreshed anything), still accepted for existing scripts
 @option("--refresh_period", type=float, hidden=True)
+@option(
+    "--update_period",
+    type=click.FloatRange(min=0.1),
+    default=60,
+    show_default=True,
+    help="Private swarms: seconds between refreshes of the revocation list (fetch, reread --revocations, republish).",
+)
+@option(
+    "--revocations",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Private swarms: the authority's revocations.json (`petals swarm revoke`), reread and published "
+    "every --update_period (it may not exist yet).",
+)
 @network_cli_options
-def dht_command(log_period: float, refresh_period: float | None, **options: Any) -> None:
+def dht_command(
+    log_period: float,
+    refresh_period: float | None,
+    update_period: float,
+    revocations: Path | None,
+    **options: Any,
+) -> None:
     """Run a DHT bootstrap peer for a (new or existing) swarm."""
     configure_logging()
     if refresh_period is not None:
         log_period = log_period_from_deprecated(log_period, refresh_period)
+    if revocations is not None and options["swarm_authority"] is None:
+        raise click.UsageError(
+            "--revocations needs --swarm_authority: a revocation list belongs to a private swarm"
+        )
     gc.disable()  # while importing and joining, as petals serve does (see collect_startup_garbage)
     try:
-        run_dht(log_period, options)
+        run_dht(log_period, options, update_period=update_period, revocations=revocations)
     finally:
         gc.enable()
 
@@ -55,8 +79,11 @@ def log_period_from_deprecated(log_period: float, refresh_period: float) -> floa
     return refresh_period
 
 
-def run_dht(log_period: float, options: dict[str, Any]) -> NoReturn:
+def run_dht(
+    log_period: float, options: dict[str, Any], *, update_period: float = 60, revocations: Path | None = None
+) -> NoReturn:
     from petals.dht import create_node
+    from petals.membership import load_membership
     from petals.reachability import ReachabilityProtocol
 
     network = network_options_from_cli(
@@ -66,14 +93,19 @@ def run_dht(log_period: float, options: dict[str, Any]) -> NoReturn:
         default_initial_peers=(),
         **options,
     )
+    membership = load_membership(network, certificate_required=False)  # a bootstrap peer needs no certificate
 
     async def main() -> None:
         stop = asyncio.Event()
         StopSignals(stop).install()
         p2p = await network.create_p2p()
-        node = None
+        node = refreshing = None
         try:
-            node = await create_node(p2p, network.initial_peers)
+            node = await create_node(p2p, network.initial_peers, membership)
+            if membership is not None:
+                refreshing = asyncio.create_task(
+                    membership.keep_fresh(node, update_period, 2 * update_period, revocations)
+                )
             await ReachabilityProtocol(p2p).add_p2p_handlers(p2p)  # servers ask us whether they are reachable
             for maddr in await p2p.get_visible_maddrs():
                 click.echo(str(maddr))
@@ -91,6 +123,8 @@ def run_dht(log_period: float, options: dict[str, Any]) -> NoReturn:
                         "%d peers connected, %d DHT records stored", len(peers), len(node.protocol.storage)
                     )
         finally:
+            if refreshing is not None:
+                refreshing.cancel()
             await leave_network(p2p, node)
             logger.info("DHT peer stopped")
 

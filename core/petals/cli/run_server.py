@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging
-from petals.cli.options import exclusive, network_cli_options, network_options_from_cli, option, split_words
+from petals.cli.options import (
+    check_private_swarm,
+    exclusive,
+    network_cli_options,
+    network_options_from_cli,
+    option,
+    split_words,
+)
 from petals.cli.original_options import apply_original_options, original_petals_options
 from petals.network.p2p import NetworkOptions
 from petals.server.settings import (
@@ -275,6 +282,7 @@ def requested_settings(model: str, options: dict[str, Any]) -> ServerSettings:
         ("--block_indices", options["block_indices"] is not None),
     )
     network = network_from_cli(options)
+    check_private_swarm(network)
     given = {SETTING_OF_OPTION.get(name, name): value for name, value in options.items() if value is not None}
     return ServerSettings(model=model, network=network, **given)
 
@@ -298,6 +306,8 @@ NETWORK_SCALARS = (
     "port",
     "public_ip",
     "identity_path",
+    "swarm_authority",
+    "membership",
     "loopback",
     "no_nat_port_map",
     "no_auto_nat",

@@ -28,6 +28,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
+from petals.membership import MembershipError
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
 from petals.wire import error_kind
@@ -136,16 +138,18 @@ class RemoteSequenceManager:
     # ---- the swarm's state ---------------------------------------------------------------------
 
     async def update(self) -> None:
-        """Re-read the DHT records and ping servers not pinged yet."""
-        infos = await get_remote_module_infos(self.network.node, self.block_uids, latest=True)
+        """Re-read the DHT records (and a private swarm's revocations), keep the servers this client may
+        use, and ping those not reached yet: every one, since a server is used only once it answered."""
+        membership = self.network.membership
+        refreshing = membership.refresh(self.network.node) if membership is not None else asyncio.sleep(0)
+        infos, _ = await asyncio.gather(
+            get_remote_module_infos(self.network.node, self.block_uids, latest=True), refreshing
+        )
+        if membership is not None and membership.own_problem() is not None:
+            raise MembershipError(membership.own_problem())
         spans = compute_spans(infos, min_state=ServerState.ONLINE)
-        allowed = _peer_set(self.config.allowed_servers)
-        blocked = _peer_set(self.config.blocked_servers) or set()
-        self.online_spans = {
-            peer: span
-            for peer, span in spans.items()
-            if (allowed is None or peer in allowed) and peer not in blocked
-        }
+        eligible = self.eligible(spans)
+        self.online_spans = {peer: span for peer, span in spans.items() if peer in eligible}
         adapter = self.config.active_adapter
         self.spans = {
             peer: span
@@ -153,21 +157,43 @@ class RemoteSequenceManager:
             if not adapter or adapter in span.server_info.adapters
         }
         self.last_update = time.monotonic()
-        unpinged = [peer for peer in self.spans if peer not in self.pings][
-            : max(self.config.max_pinged, 1) * 8
-        ]
+        # fake records of peers that do not exist or answer must not cost a failed request each:
+        # they fail their ping (at once, or after ping_timeout, all at the same time) and stay unused
+        unreached = [peer for peer in self.spans if math.isinf(self.pings.get(peer, math.inf))]
         rtts = await asyncio.gather(
-            *(ping(self.network.p2p, peer, self.config.ping_timeout) for peer in unpinged)
+            *(ping(self.network.p2p, peer, self.config.ping_timeout) for peer in unreached)
         )
-        self.pings.update(zip(unpinged, rtts, strict=True))
+        self.pings.update(zip(unreached, rtts, strict=True))
+
+    def eligible(self, spans: dict[PeerID, RemoteSpanInfo]) -> set[PeerID]:
+        """The servers this client may use at all, the one place that decides: ``allowed_servers``,
+        ``blocked_servers`` and, in a private swarm, a valid server certificate (``petals.membership``)."""
+        allowed = _peer_set(self.config.allowed_servers)
+        blocked = _peer_set(self.config.blocked_servers) or set()
+        membership = self.network.membership
+        return {
+            peer
+            for peer in spans
+            if (allowed is None or peer in allowed)
+            and peer not in blocked
+            and (membership is None or membership.is_server(peer))
+        }
 
     async def ensure_fresh(self) -> None:
         if time.monotonic() - self.last_update > self.config.update_period:
             await self.update()
 
     def usable_spans(self) -> list[RemoteSpanInfo]:
+        """Spans of servers that are neither banned nor known to be unreachable."""
         now = time.monotonic()
-        return [span for peer, span in self.spans.items() if not self._is_banned(peer, now)]
+        return [
+            span
+            for peer, span in self.spans.items()
+            if not self._is_banned(peer, now) and not self._is_unreachable(peer)
+        ]
+
+    def _is_unreachable(self, peer: PeerID) -> bool:
+        return math.isinf(self.pings.get(peer, 0.0))
 
     def _is_banned(self, peer: PeerID, now: float) -> bool:
         ban = self.bans.get(peer)
@@ -275,6 +301,11 @@ class RemoteSequenceManager:
             _has_cache_for(span, cache_tokens_needed) for span in with_adapter
         ):
             reason = f"no server has KV cache left for a session of {cache_tokens_needed} tokens"
+        elif all(self._is_unreachable(span.peer_id) for span in with_adapter):
+            reason = (
+                "none of its servers answered a ping: they are unreachable from here, or refuse this "
+                "client (a private swarm serves only peers started with --membership)"
+            )
         else:
             reason = "every server hosting it failed recently and is banned for now"
         raise MissingBlocksError(

@@ -16,6 +16,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
 from petals.dht import create_node
+from petals.membership import SwarmMembership, load_membership
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
 
 T = TypeVar("T")
@@ -35,12 +36,16 @@ class SwarmUnreachableError(ConnectionError):
 
 
 class ClientNetwork:
-    """A running ``P2P`` + ``DHTNode`` pair and the event loop thread they live in."""
+    """A running ``P2P`` + ``DHTNode`` pair and the event loop thread they live in; ``membership`` is
+    this client's ``SwarmMembership`` in a private swarm (else None)."""
+
+    membership: SwarmMembership | None
 
     def __init__(self, options: NetworkOptions) -> None:
         if not options.initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddrs of at least one peer of the swarm")
         self.options = options
+        self.membership = load_membership(options)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="petals-client-network", daemon=True
@@ -49,9 +54,11 @@ class ClientNetwork:
         try:
             self.p2p: P2P = self.run(options.create_p2p(), options.startup_timeout)
             self.node: DHTNode = self.run(
-                create_node(self.p2p, options.initial_peers, client_mode=True),
+                create_node(self.p2p, options.initial_peers, self.membership, client_mode=True),
                 options.startup_timeout,
             )
+            if self.membership is not None:
+                self.run(self.membership.present_certificate(self.p2p), options.startup_timeout)
         except Exception as error:
             self._stop_loop()
             peers = ", ".join(options.initial_peers)
@@ -130,4 +137,7 @@ def network_options(config: Any) -> NetworkOptions:
         auto_nat=config.auto_nat,
         use_relay=config.use_relay,
         startup_timeout=config.daemon_startup_timeout,
+        identity_path=config.identity_path,
+        swarm_authority=config.swarm_authority,
+        membership=config.membership,
     )

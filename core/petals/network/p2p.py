@@ -55,6 +55,9 @@ class NetworkOptions:
     host_maddrs: Sequence[str] = ALL_INTERFACES
     announce_maddrs: Sequence[str] | None = None
     identity_path: str | None = None
+    # a private swarm (petals.membership): the authority's public key and this peer's certificate
+    swarm_authority: str | None = None
+    membership: str | None = None
     nat_port_map: bool = True
     auto_nat: bool = True
     use_relay: bool = True

@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 import petals
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import make_uids
+from petals.membership import AdmissionGuard
 from petals.patches import limit_inbound_message_size
 from petals.server.engine import ServingEngine
 from petals.server.metrics import NO_METRICS, NoMetrics
@@ -56,7 +57,7 @@ def unary_rpc(method: str, compute: Computation) -> Callable:
     async def rpc(
         self: TransformerConnectionHandler, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        async with reporting(method, context, self.metrics):
+        async with reporting(method, context, self.metrics, self.admission):
             metadata = read_metadata(request.metadata)
             outputs = await self._within_timeout(
                 compute(self.engine, request.uid, metadata, deserialize_tensors(request.tensors))
@@ -75,7 +76,7 @@ def streamed_rpc(method: str, compute: Computation) -> Callable:
         requests: AsyncIterator[runtime_pb2.ExpertRequest],
         context: P2PContext,
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with reporting(method, context, self.metrics):
+        async with reporting(method, context, self.metrics, self.admission):
             uid, metadata, tensors = await read_stream(requests, self.max_request_bytes)
             outputs = await self._within_timeout(compute(self.engine, uid, metadata, tensors))
             for part in response_parts(self._serialize_outputs(outputs, metadata)):
@@ -89,9 +90,16 @@ class TransformerConnectionHandler(ServicerBase):
     """Serves forward, backward and inference sessions over the blocks of one ``ServingEngine``."""
 
     def __init__(
-        self, engine: ServingEngine, p2p: P2P, *, client_mode: bool = False, metrics: NoMetrics = NO_METRICS
+        self,
+        engine: ServingEngine,
+        p2p: P2P,
+        *,
+        client_mode: bool = False,
+        metrics: NoMetrics = NO_METRICS,
+        admission: AdmissionGuard | None = None,
     ) -> None:
         self.engine, self.p2p, self.client_mode, self.metrics = engine, p2p, client_mode, metrics
+        self.admission = admission  # a private swarm's door (petals.membership); None: serve everyone
         self.limits = engine.limits
         self.tracing = enabled_by_env()  # answer requests' "trace" only when started with PETALS_TRACE
         self._background: set[asyncio.Task] = set()
@@ -104,7 +112,7 @@ class TransformerConnectionHandler(ServicerBase):
         quiet_hivemind_refusals()
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        async with reporting("rpc_info", context, self.metrics):
+        async with reporting("rpc_info", context, self.metrics, self.admission):
             info = {"version": petals.__version__, "dht_client_mode": self.client_mode, **self.engine.info()}
             if request.uid:
                 self.engine.backends(request.uid)
@@ -122,7 +130,7 @@ class TransformerConnectionHandler(ServicerBase):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async with reporting("rpc_inference", context, self.metrics):
+        async with reporting("rpc_inference", context, self.metrics, self.admission):
             first = await self._first_request(requests)
             if first is None:
                 return
@@ -223,7 +231,7 @@ class TransformerConnectionHandler(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         """A previous server hands us the next step of one of our sessions (unknown sessions are ignored)."""
-        async with reporting("rpc_push", context, self.metrics):
+        async with reporting("rpc_push", context, self.metrics, self.admission):
             self.engine.backends(request.uid)
             metadata = read_metadata(request.metadata)
             session = self.engine.sessions.get(metadata.get("session_id"))

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from hivemind.p2p import P2PContext, PeerID
 
 from petals.kv_cache import OutOfPagesError
+from petals.membership import AdmissionGuard, admitted
 from petals.server.cache_budget import AllocationFailed
 from petals.server.metrics import NoMetrics
 from petals.wire import WireError, cut, tag_error
@@ -23,11 +24,15 @@ logger = logging.getLogger("petals.server.handler")
 
 
 @asynccontextmanager
-async def reporting(method: str, context: P2PContext, metrics: NoMetrics) -> AsyncIterator[None]:
-    """Log each failure of an RPC once, and send it to the peer tagged with its kind."""
+async def reporting(
+    method: str, context: P2PContext, metrics: NoMetrics, admission: AdmissionGuard | None = None
+) -> AsyncIterator[None]:
+    """Log each failure of an RPC once, and send it to the peer tagged with its kind. In a private
+    swarm, ``admission`` first refuses callers that are not members, before anything is decoded."""
     metrics.request_started(method)
     try:
-        yield
+        async with admitted(admission, context.remote_id, method):
+            yield
     except REFUSALS as error:
         metrics.request_failed(method, _kind(error))
         logger.info("%s from %s refused: %s", method, _short(context.remote_id), cut(str(error)))

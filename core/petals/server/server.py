@@ -31,6 +31,7 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.loading import Checkpoint, load_block
+from petals.membership import load_membership
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server.backend import BlockBackend, HostedBlocks
@@ -66,6 +67,7 @@ class Server:
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
         self.using_relay = False  # set on joining: reachable only through a relay
         self.peer_id: PeerID | None = None  # set on joining
+        self.membership = load_membership(settings.network, role="server")  # None in a public swarm
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
@@ -74,7 +76,11 @@ class Server:
         self.peer_id = p2p.peer_id
         node = None
         try:
-            node = await create_node(p2p, self.settings.network.initial_peers, num_workers=self.total_blocks)
+            node = await create_node(
+                p2p, self.settings.network.initial_peers, self.membership, num_workers=self.total_blocks
+            )
+            if self.membership is not None:
+                await self.membership.present_certificate(p2p)
             visible = await p2p.get_visible_maddrs()
             self.using_relay = is_relayed(visible)
             maddrs = " ".join(map(str, visible))
@@ -89,6 +95,13 @@ class Server:
 
     async def _serve(self, p2p: P2P, node: DHTNode) -> None:
         checking = asyncio.create_task(self._check_reachability(p2p, node))
+        refreshing = (
+            asyncio.create_task(
+                self.membership.keep_fresh(node, self.settings.update_period, self.expiration)
+            )
+            if self.membership is not None
+            else None
+        )
         # one policy for every span: what it learned of thread counts holds for the next blocks too
         scheduler = Scheduler(
             torch.get_num_threads(),
@@ -107,6 +120,8 @@ class Server:
                     await span.leave()
         finally:
             checking.cancel()
+            if refreshing is not None:
+                refreshing.cancel()
 
     async def _check_reachability(self, p2p: P2P, node: DHTNode) -> None:
         """Ask DHT neighbours to dial back; if they cannot, others reach us only through relays."""
@@ -226,8 +241,13 @@ class ServingSpan:
             hosted, self.budget, limits, self.scheduler, dht_prefix=self.server.dht_prefix, metrics=metrics
         )
         self.compute = ComputeThread(self.engine).start()
+        membership = self.server.membership
         self.handler = TransformerConnectionHandler(
-            self.engine, self.p2p, client_mode=self.node.protocol.client_mode, metrics=metrics
+            self.engine,
+            self.p2p,
+            client_mode=self.node.protocol.client_mode,
+            metrics=metrics,
+            admission=membership.guard(self.p2p) if membership is not None else None,
         )
         await self.handler.add_p2p_handlers(self.p2p)
         metrics.serving = self.engine
@@ -383,6 +403,8 @@ class ServingSpan:
         """Store this span's records in ``state``; returns which stores succeeded."""
         self.state = state
         expiration = expiration_from_now(self.server.expiration)
+        if self.server.membership is not None:
+            expiration = self.server.membership.cap_expiration(expiration)
         next_pings = await self._next_pings() if state == ServerState.ONLINE else None
         info = self.server.server_info(state, self.blocks, self.budget, self.weight_bytes, next_pings)
         stored = await declare_active_modules(self.node, self.uids, info, expiration)

@@ -24,6 +24,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from petals.constants import CHAIN_DELIMITER
 from petals.data_structures import RemoteModuleInfo
 from petals.dht import create_node, get_remote_module_infos
+from petals.membership import load_membership
 from petals.network.client import leave_swarm, stop_event_loop
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
 from petals.wire import deserialize_tensors, pack_args_kwargs, serialize_tensor, write_metadata
@@ -34,20 +35,29 @@ EMPTY = torch.empty(0)
 
 
 class WireClient:
-    def __init__(self, initial_peers: Sequence[str], timeout: float = 60) -> None:
+    """``identity_path``, ``swarm_authority``, ``membership``: a peer of a private swarm (``petals.membership``),
+    which signs what it stores and presents its certificate to servers."""
+
+    def __init__(
+        self, initial_peers: Sequence[str], timeout: float = 60, **private_swarm: str | None
+    ) -> None:
         self.timeout = timeout
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="wire-client", daemon=True)
-        self._thread.start()
         network = NetworkOptions(
             initial_peers=initial_peers,
             host_maddrs=LOOPBACK_MADDRS,
             nat_port_map=False,
             auto_nat=False,
             use_relay=False,
+            **private_swarm,
         )
+        self.membership = load_membership(network, certificate_required=False)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="wire-client", daemon=True)
+        self._thread.start()
         self.p2p: P2P = self.run(network.create_p2p())
-        self.node: DHTNode = self.run(create_node(self.p2p, initial_peers, client_mode=True))
+        self.node: DHTNode = self.run(create_node(self.p2p, initial_peers, self.membership, client_mode=True))
+        if self.membership is not None:
+            self.run(self.membership.present_certificate(self.p2p))
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout or self.timeout)
