@@ -547,8 +547,8 @@ class SwarmMembership:
         entry = await node.get(REVOCATIONS_KEY, latest=True)
         versions = entry.value if entry is not None and isinstance(entry.value, dict) else {}
         for item in versions.values():
-            with contextlib.suppress(MembershipError):  # the validator has checked them already
-                self.adopt(self.verified_revocations(_unpack_bytes(item.value)), node)
+            if isinstance(item.value, bytes):  # the validator has checked them already
+                self.adopt(self.verified_revocations(item.value), node)
         self.end_lapsed()  # certificates expire between revocations too
         if republish_for is not None and self.revocations is not None:
             await self.publish(node, republish_for)
