@@ -175,6 +175,12 @@ class Swarm:
         self.clients.clear()
 
 
+def block_ranges(num_blocks: int, servers: int) -> list[str]:
+    """``"start:end"`` for each of ``servers`` servers splitting ``num_blocks`` blocks evenly."""
+    bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
+    return [f"{start}:{end}" for start, end in itertools.pairwise(bounds)]
+
+
 class Context:
     """Models, the local baselines and at most one running swarm, shared by consecutive benchmarks."""
 
@@ -230,9 +236,7 @@ class Context:
             return self._swarm[1]
         self.close_swarm()
         path = self.model_path(name)
-        num_blocks = self.num_blocks(name)
-        bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
-        ranges = [f"{start}:{end}" for start, end in itertools.pairwise(bounds)]
+        ranges = block_ranges(self.num_blocks(name), servers)
         stack = contextlib.ExitStack()
         dht, processes = stack.enter_context(
             running_swarm(path, *ranges, server_args=SERVER_ARGS, env=TRACING_SERVERS)

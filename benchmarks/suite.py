@@ -5,6 +5,7 @@ from benchmarks import (
     concurrent_sessions,
     forward_throughput,
     generation_latency,
+    private_swarm,
     server_memory,
     server_start,
     speculative,
@@ -16,6 +17,7 @@ SUITE = {
     **server_start.BENCHMARKS,
     **transport_floor.BENCHMARKS,
     "latency_tiny_llama": generation_latency.BENCHMARKS["latency_tiny_llama"],
+    **private_swarm.BENCHMARKS,  # on latency_tiny_llama's swarm (its public one)
     **concurrent_sessions.BENCHMARKS,
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **api_overhead.BENCHMARKS,  # on latency_smollm2's swarm

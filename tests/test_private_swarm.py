@@ -248,7 +248,7 @@ def test_revoked_and_expired_certificates_stop_working_within_an_update_period(s
         # the DHT peer rereads the file, then the server fetches the list: a period each (1 s here);
         # the bound is generous, for a loaded machine
         assert "was revoked" in _refused(revoked, server, timeout=15)
-        with pytest.raises(StopAsyncIteration):  # the stream opened before the revocation was ended
+        with pytest.raises((StopAsyncIteration, ConnectionError)):  # the stream opened before was ended
             stream.step(torch.randn(1, 1, HIDDEN))
         assert not _eligible_after_update(alice, rogue_id)
         assert swarm.dht.wait_for_log("DHT records of revoked certificates")
