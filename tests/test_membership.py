@@ -186,19 +186,23 @@ def test_only_the_authority_writes_revocation_lists_and_newer_ones_win(authority
     assert server.revocations.version == 2 and len(server.revocations.revoked) == 2
 
 
-def test_a_membership_that_cannot_work_fails_at_start_with_what_to_do(authority, identities, tmp_path):
+def test_a_membership_that_cannot_work_fails_at_start_with_what_to_do(authority, tmp_path):
     directory, key = authority
-    certificate = Certificate.issue(key, identities["server"].peer_id, "server", days=1)
+    identity = Identity.load_or_create(tmp_path / "server.key")
+    certificate = Certificate.issue(key, identity.peer_id, "server", days=1)
     (tmp_path / "server.cert").write_bytes(certificate.raw)
     options = NetworkOptions(
         swarm_authority=str(directory / "authority.pub"), membership=str(tmp_path / "server.cert")
     )
     with pytest.raises(MembershipError, match="needs --identity_path"):
         load_membership(options)
-    other_key = tmp_path / "other.key"
-    other_key.write_bytes(b"not a key")
+    (tmp_path / "other.key").write_bytes(b"not a key")
     with pytest.raises(MembershipError, match="not a libp2p identity file"):
-        load_membership(dataclasses.replace(options, identity_path=str(other_key)))
+        load_membership(dataclasses.replace(options, identity_path=str(tmp_path / "other.key")))
+    valid = dataclasses.replace(options, identity_path=str(tmp_path / "server.key"))
+    assert load_membership(valid).certificate == certificate
+    with pytest.raises(MembershipError, match="certifies a server; a client needs"):
+        load_membership(valid, role="client")
     with pytest.raises(MembershipError, match="admits only members"):
         load_membership(NetworkOptions(swarm_authority=str(directory / "authority.pub")))
     assert load_membership(NetworkOptions()) is None

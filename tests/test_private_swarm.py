@@ -28,7 +28,14 @@ PERIOD = 1.0  # every peer's update period: revocations arrive within about one
 PREFIX = "tiny-llama-hf"
 UIDS = make_uids(PREFIX, 0, 4)
 HIDDEN = 64
-PEERS = {"server": "server", "alice": "client", "member": "server", "revoked": "client", "rogue": "server"}
+PEERS = {
+    "server": "server",
+    "alice": "client",
+    "carol": "client",
+    "member": "server",
+    "revoked": "client",
+    "rogue": "server",
+}
 GREEDY = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 
 
@@ -126,6 +133,13 @@ def test_members_generate_as_transformers_does(swarm, alice):
     local = AutoModelForCausalLM.from_pretrained(swarm.model_path, dtype=torch.float32).eval()
     assert torch.equal(alice.generate(ids, **GREEDY), local.generate(ids, **GREEDY))
     assert swarm.server.peer_id in usable_servers(alice)
+
+
+def test_petals_health_sees_the_private_swarm_with_a_membership(swarm):
+    health = ["health", "--loopback", "--initial_peers", *swarm.initial_peers]
+    result = CliRunner().invoke(petals_cli, [*health, *cli_credentials(swarm.credentials("carol"))])
+    assert result.exit_code == 0, result.output
+    assert f"(dht_prefix {PREFIX}, 4 blocks): healthy" in result.output and "ONLINE" in result.output
 
 
 def test_an_outsider_is_refused_before_anything_it_sent_is_decoded(swarm):

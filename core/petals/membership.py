@@ -597,9 +597,12 @@ class SwarmMembership:
         return guard
 
 
-def load_membership(options: NetworkOptions, *, certificate_required: bool = True) -> SwarmMembership | None:
+def load_membership(
+    options: NetworkOptions, *, certificate_required: bool = True, role: str | None = None
+) -> SwarmMembership | None:
     """This peer's ``SwarmMembership`` from ``--swarm_authority``, ``--membership`` and ``--identity_path``
-    (None in a public swarm); a configuration that cannot work is a ``MembershipError`` saying why."""
+    (None in a public swarm), its certificate for ``role`` if given; a configuration that cannot work is
+    a ``MembershipError`` saying why."""
     if options.swarm_authority is None:
         if options.membership is not None:
             raise MembershipError("--membership needs --swarm_authority: the swarm authority's authority.pub")
@@ -630,6 +633,11 @@ def load_membership(options: NetworkOptions, *, certificate_required: bool = Tru
             f"--membership {options.membership} does not admit --identity_path {options.identity_path} "
             f"(peer {identity.peer_id}): {error}. Ask the authority: `petals swarm admit DIR --identity KEY --out CERT`"
         ) from None
+    if role is not None and certificate.role != role:
+        raise MembershipError(
+            f"--membership {options.membership} certifies a {certificate.role}; a {role} needs a certificate "
+            f"issued with `petals swarm admit DIR --identity KEY --role {role} --out CERT`"
+        )
     return membership
 
 

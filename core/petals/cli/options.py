@@ -64,13 +64,13 @@ def network_options_from_cli(
     )
 
 
-def check_private_swarm(network: NetworkOptions, *, certificate_required: bool = True) -> None:
+def check_private_swarm(network: NetworkOptions, role: str | None = None) -> None:
     """Fail at once, before anything slow, if ``--swarm_authority``/``--membership`` cannot work."""
     if network.swarm_authority is None and network.membership is None:
         return
     from petals.membership import load_membership
 
-    load_membership(network, certificate_required=certificate_required)
+    load_membership(network, role=role)
 
 
 def exclusive(*flags: tuple[str, bool]) -> None:

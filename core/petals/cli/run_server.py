@@ -282,7 +282,7 @@ def requested_settings(model: str, options: dict[str, Any]) -> ServerSettings:
         ("--block_indices", options["block_indices"] is not None),
     )
     network = network_from_cli(options)
-    check_private_swarm(network)
+    check_private_swarm(network, role="server")
     given = {SETTING_OF_OPTION.get(name, name): value for name, value in options.items() if value is not None}
     return ServerSettings(model=model, network=network, **given)
 
