@@ -90,7 +90,9 @@ def swarm(tiny_model_path, tmp_path_factory):
     with start_dht(*private, "--revocations", str(authority / "revocations.json")) as dht:
         swarm = PrivateSwarm(path, authority, dht.initial_peers, dht, None)
         server_args = [*private, *cli_credentials(swarm.credentials("server")), "--torch_dtype", "float32"]
-        with start_server(path, dht.initial_peers, *server_args, "--throughput", "1") as swarm.server:
+        # records outlive a few late announcements of a loaded machine (the default: 2 update periods)
+        server_args += ["--throughput", "1", "--expiration", "30"]
+        with start_server(path, dht.initial_peers, *server_args) as swarm.server:
             yield swarm
 
 

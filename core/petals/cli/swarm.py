@@ -52,8 +52,6 @@ def admit_command(
     directory: Path, identity: Path | None, peer_id: str | None, role: str, days: float, out: Path
 ) -> None:
     """Issue a membership certificate for a peer identity."""
-    from hivemind.p2p import PeerID
-
     from petals.membership import Certificate, Identity, load_authority_key
 
     exclusive(("--identity", identity is not None), ("--peer_id", peer_id is not None))
@@ -61,16 +59,11 @@ def admit_command(
         raise click.UsageError("name the peer: --identity KEY_FILE or --peer_id ID")
     authority_key = load_authority_key(directory)
     if identity is not None:
+        if not identity.exists():
+            click.echo(f"Created a new identity: {identity}")
         peer = Identity.load_or_create(identity).peer_id
     else:
-        try:
-            peer = PeerID.from_base58(peer_id)
-        except ValueError:
-            peer = None
-        if peer is None or not peer.to_bytes().startswith(b"\x12\x20") or len(peer.to_bytes()) != 34:
-            raise click.BadParameter(
-                f"{peer_id!r} is not an RSA libp2p peer id (Qm...)", param_hint="--peer_id"
-            )
+        peer = parse_peer_id(peer_id)
     certificate = Certificate.issue(authority_key, peer, role, days)
     out.write_bytes(certificate.raw)
     click.echo(f"Admitted {certificate.describe()}: {out}")
@@ -78,6 +71,19 @@ def admit_command(
     click.echo(
         f"Start it with --swarm_authority {directory / 'authority.pub'} --membership {out} --identity_path {key}"
     )
+
+
+def parse_peer_id(text: str):
+    """An RSA libp2p peer id (``Qm...``), as hivemind's identities have, or a usage error."""
+    from hivemind.p2p import PeerID
+
+    try:
+        peer = PeerID.from_base58(text)
+    except ValueError:
+        peer = None
+    if peer is None or not peer.to_bytes().startswith(b"\x12\x20") or len(peer.to_bytes()) != 34:
+        raise click.BadParameter(f"{text!r} is not an RSA libp2p peer id (Qm...)", param_hint="--peer_id")
+    return peer
 
 
 @swarm_command.command("revoke", cls=PetalsCommand)
