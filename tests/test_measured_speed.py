@@ -125,6 +125,7 @@ def test_both_servers_of_a_range_hung_and_a_fresh_one_joining(tiny_model_path):
             started = time.perf_counter()
             output = model.generate(ids, stopping_criteria=[criteria], **greedy)
             seconds = time.perf_counter() - started - criteria.setup_seconds
+            banned = {str(peer) for peer in model.remote_blocks.manager.bans}
             fresh_steps = model.remote_blocks.manager.measurements.samples(
                 PeerID.from_base58(criteria.fresh.peer_id)
             )
@@ -134,5 +135,7 @@ def test_both_servers_of_a_range_hung_and_a_fresh_one_joining(tiny_model_path):
                 server.process.send_signal(signal.SIGCONT)
         assert criteria.fresh is not None, "the fault was never applied"
         assert fresh_steps > 0, "the fresh server was never used"
+        assert {server.peer_id for server in criteria.hung} <= banned, "a hung server was never tried"
         assert torch.equal(output, expected)
+        print(f"{NEW_TOKENS} tokens in {seconds:.1f} s besides the setup")
         assert seconds < GENERATION_LIMIT, f"{NEW_TOKENS} tokens took {seconds:.1f} s besides the setup"
