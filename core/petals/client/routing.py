@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
 from petals.client.measurements import ServerMeasurements
+from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
 from petals.membership import MembershipError
@@ -102,6 +103,7 @@ class RemoteSequenceManager:
         self.bans: dict[PeerID, _Ban] = {}
         self.last_update = -float("inf")
         self.measurements = ServerMeasurements(config.min_step_timeout, config.request_timeout)
+        self.suspects = Suspects()  # caught lying by ``verification``: banned for good
 
     def __len__(self) -> int:
         return len(self.block_uids)
@@ -171,7 +173,7 @@ class RemoteSequenceManager:
 
     def _is_banned(self, peer: PeerID, now: float) -> bool:
         ban = self.bans.get(peer)
-        return ban is not None and ban.until > now
+        return peer in self.suspects or (ban is not None and ban.until > now)
 
     def on_request_failure(self, peer: PeerID | None) -> None:
         if peer is None:
