@@ -90,6 +90,7 @@ def test_a_liar_on_one_step_in_ten_is_caught_within_200_steps(tiny_model_path):
             suspects = model.suspects()
         finally:
             model.close()
+    print(f"caught after {steps} steps, {suspects and suspects[0].checks} checks, lies at steps {lies}")
     assert [suspect.peer_id for suspect in suspects] == [liar.peer_id], f"not caught in {steps} steps"
     assert len(lies) >= 1
 
@@ -151,4 +152,5 @@ def test_honest_servers_are_never_accused(tiny_model_path):
         suspects = model.remote_blocks.manager.suspects
         assert not errors, errors
         assert suspects.checks >= 1000
+        print(f"{suspects.checks} checks, closest call {suspects.closest_call:.2f} of the tolerance")
         assert suspects.mismatches == 0 and not model.suspects()

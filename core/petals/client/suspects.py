@@ -32,6 +32,7 @@ class Suspects:
         self._suspects: dict[PeerID, Suspect] = {}
         self.checks = 0
         self.mismatches = 0
+        self.closest_call = 0.0  # the largest error / tolerance among checks that agreed
 
     def __contains__(self, peer: PeerID) -> bool:
         return peer in self._suspects
@@ -43,10 +44,14 @@ class Suspects:
         with self._lock:
             return list(self._suspects.values())
 
-    def count(self, *, mismatch: bool) -> None:
+    def count(self, error: float, limit: float) -> None:
+        """One check: the two servers' relative error and the tolerance it was held to."""
         with self._lock:
             self.checks += 1
-            self.mismatches += mismatch
+            if error > limit:
+                self.mismatches += 1
+            else:
+                self.closest_call = max(self.closest_call, error / limit)
 
     def accuse(self, peer: PeerID, span: RemoteSpanInfo, evidence: str) -> None:
         with self._lock:

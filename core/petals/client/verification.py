@@ -78,7 +78,7 @@ class Verifier:
         second_peer, second_output, second_dtype = second
         limit = tolerance(span.server_info.torch_dtype, second_dtype, output.dtype)
         error = relative_error(output, second_output)
-        suspects.count(mismatch=error > limit)
+        suspects.count(error, limit)
         if error <= limit:
             return None
         third = await self._recompute(span, inputs, prompts, output.shape[1], asked)
