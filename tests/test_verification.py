@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import petals
 from conftest import LOOPBACK_CLIENT
+from petals.api.app import verification_metrics
 from petals.client.verification import relative_error, tolerance
 from petals.testing.inprocess import InProcessDht, InProcessServer
 from petals.testing.liar import make_liar, perturb
@@ -63,9 +64,11 @@ def test_a_liar_on_every_step_is_caught_and_the_tokens_equal_local(tiny_model_pa
                 output = model.generate(ids, **greedy)
                 again = model.generate(ids, **greedy)
             suspects = model.suspects()
+            metrics = verification_metrics(model.remote_blocks.manager.suspects)
         finally:
             model.close()
     assert lies, "the liar was never asked anything"
+    assert "petals_client_suspects_total 1\n" in metrics  # what petals api's /metrics shows
     assert [suspect.peer_id for suspect in suspects] == [liar.peer_id]
     assert suspects[0].blocks == (0, 4) and suspects[0].checks <= 20, suspects
     assert "relative error 1.0e-02" in suspects[0].evidence
