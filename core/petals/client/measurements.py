@@ -114,6 +114,12 @@ class ServerMeasurements:
         """``spans`` with each trusted-measured server's speed lowered to what this client measured."""
         return [self._measured(span) for span in spans]
 
+    def throughput_share(self, spans: Sequence[RemoteSpanInfo], peer: PeerID) -> float:
+        """``peer``'s share of ``spans``' total throughput as routing sees it now (measured where trusted)."""
+        measured = self.measured_spans(spans)
+        total = sum(span.throughput for span in measured)
+        return sum(span.throughput for span in measured if span.peer_id == peer) / total if total else 0.0
+
     def _measured(self, span: RemoteSpanInfo) -> RemoteSpanInfo:
         timing = self._timings.get(span.peer_id)
         if timing is None or timing.samples < self.trusted_after:
