@@ -71,7 +71,7 @@ def test_a_liar_on_every_step_is_caught_and_the_tokens_equal_local(tiny_model_pa
     assert "petals_client_suspects_total 1\n" in metrics  # what petals api's /metrics shows
     assert [suspect.peer_id for suspect in suspects] == [liar.peer_id]
     assert suspects[0].blocks == (0, 4) and suspects[0].checks <= 20, suspects
-    assert "relative error 1.0e-02" in suspects[0].evidence
+    assert "relative error 1.0e-02 against server" in suspects[0].evidence
     warnings = [record for record in caplog.records if liar.peer_id in record.getMessage()]
     assert len(warnings) == 1, [record.getMessage() for record in caplog.records]
     assert torch.equal(output, expected) and torch.equal(again, expected)
@@ -157,3 +157,32 @@ def test_honest_servers_are_never_accused(tiny_model_path):
         assert suspects.checks >= 1000
         print(f"{suspects.checks} checks, closest call {suspects.closest_call:.2f} of the tolerance")
         assert suspects.mismatches == 0 and not model.suspects()
+
+
+def test_with_no_second_server_the_clients_own_copy_of_the_blocks_judges(tiny_model_path):
+    """The liar serves 0:4 alone; honest servers serve 0:2 and 2:4. No server can recompute the liar's
+    span (nor, once it is banned, a third opinion for theirs): the client, whose model is a local
+    checkpoint, runs the blocks itself."""
+    path = tiny_model_path("llama")
+    ids = prompt(seed=9)
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **greedy)
+    with contextlib.ExitStack() as stack:
+        dht = stack.enter_context(InProcessDht().start())
+        ranges = ("0:4", "0:2", "2:4")
+        servers = [InProcessServer(path, dht.initial_peers, "--block_indices", r, *FP32) for r in ranges]
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            stack.enter_context(server.wait_ready())
+        liar = servers[0]
+        make_liar(liar.server, relative=1e-2, every=1)
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, verify=1.0, **LOOPBACK_CLIENT
+        )
+        stack.callback(model.close)
+        output = model.generate(ids, **greedy)
+        suspects = model.suspects()
+    assert [suspect.peer_id for suspect in suspects] == [liar.peer_id]
+    assert "this client's own computation" in suspects[0].evidence
+    assert torch.equal(output, expected)

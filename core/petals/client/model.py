@@ -207,6 +207,7 @@ class DistributedModelMixin:
         dtype: torch.dtype | None = None,
         **hub_kwargs: Any,
     ):
+        config.name_or_path = str(model_name_or_path)  # as transformers sets it; ``verify`` reads it
         model = cls(config, network=network)
         checkpoint = Checkpoint.open(model_name_or_path, **hub_kwargs)
         model._load_local_tensors(checkpoint, dtype)

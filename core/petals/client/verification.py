@@ -18,9 +18,13 @@ other server serves, and a majority of colluding servers (the third opinion side
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import threading
 import uuid
+import weakref
+from pathlib import Path
 
 import torch
 from hivemind.p2p import PeerID
@@ -28,6 +32,8 @@ from hivemind.p2p import PeerID
 from petals.client.server_session import ServerSession
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo
+from petals.loading import load_block
+from petals.server.backend import add_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ class Verifier:
         asked = {span.peer_id}
         second = await self._recompute(span, inputs, prompts, output.shape[1], asked)
         if second is None:
-            return None
+            return await self._judge_locally(span, inputs, prompts, output)
         second_peer, second_output, second_dtype = second
         limit = tolerance(span.server_info.torch_dtype, second_dtype, output.dtype)
         error = relative_error(output, second_output)
@@ -82,6 +88,7 @@ class Verifier:
         if error <= limit:
             return None
         third = await self._recompute(span, inputs, prompts, output.shape[1], asked)
+        third = third or await self._recompute_locally(span, inputs, prompts, output.shape[1])
         if third is None:
             logger.warning(
                 "Servers %s and %s disagree on blocks %d:%d (relative error %.1e, tolerance %.0e) and no "
@@ -114,14 +121,45 @@ class Verifier:
                 third_peer,
             )
             return None
-        honest = [peer for peer in (span.peer_id, second_peer, third_peer) if peer != liar]
+        honest = [_name(peer) for peer in (span.peer_id, second_peer, third_peer) if peer != liar]
         suspects.accuse(
             liar,
             span,
-            f"relative error {wrong:.1e} against servers {honest[0]} and {honest[1]} which agree "
+            f"relative error {wrong:.1e} against {honest[0]} and {honest[1]}, which agree "
             f"(tolerance {limit:.0e}) at position {inputs.shape[1] - output.shape[1]}",
         )
         return liar
+
+    async def _judge_locally(
+        self, span: RemoteSpanInfo, inputs: torch.Tensor, prompts: torch.Tensor | None, output: torch.Tensor
+    ) -> PeerID | None:
+        """No second server: the client's own copy of the blocks (if it has their weights) decides alone."""
+        local = await self._recompute_locally(span, inputs, prompts, output.shape[1])
+        if local is None:
+            return None
+        _, local_output, local_dtype = local
+        limit = tolerance(span.server_info.torch_dtype, local_dtype, output.dtype)
+        error = relative_error(output, local_output)
+        self.manager.suspects.count(error, limit)
+        if error <= limit:
+            return None
+        self.manager.suspects.accuse(
+            span.peer_id,
+            span,
+            f"relative error {error:.1e} against this client's own computation (tolerance {limit:.0e}) "
+            f"at position {inputs.shape[1] - output.shape[1]}",
+        )
+        return span.peer_id
+
+    async def _recompute_locally(
+        self, span: RemoteSpanInfo, inputs: torch.Tensor, prompts: torch.Tensor | None, length: int
+    ) -> tuple[PeerID | None, torch.Tensor, str] | None:
+        """The last ``length`` outputs of this client's own copy of ``span``'s blocks, if it has their weights."""
+        blocks = _local_blocks(self.manager)
+        if not blocks.available:
+            return None
+        output = await asyncio.to_thread(blocks.run, span.start, span.end, inputs, prompts)
+        return None, output[:, -length:], "float32"
 
     async def _recompute(
         self,
@@ -158,3 +196,41 @@ class Verifier:
                 await session.close()
             return other.peer_id, output[:, -length:], other.server_info.torch_dtype
         return None
+
+
+def _name(peer: PeerID | None) -> str:
+    return f"server {peer}" if peer is not None else "this client's own computation"
+
+
+class LocalBlocks:
+    """This client's own float32 copy of blocks, loaded on first use, when its model is a local
+    checkpoint directory (``config.name_or_path``): a judge when no other server serves a span."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        path = getattr(config, "name_or_path", "")
+        self.available = bool(path) and Path(path).is_dir()
+        self._blocks: dict[int, torch.nn.Module] = {}
+        self._lock = threading.Lock()
+
+    def run(self, start: int, end: int, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
+        """Blocks ``[start, end)`` on ``inputs`` (every position, no cache); ``prompts`` per block or None."""
+        hidden = inputs.float()
+        with self._lock, torch.no_grad():
+            for index in range(start, end):
+                if index not in self._blocks:
+                    self._blocks[index] = load_block(
+                        self.config.name_or_path, index, torch.float32, config=self.config
+                    )
+                prompt = prompts[index - start].float() if prompts is not None else None
+                hidden = self._blocks[index](add_prompt(hidden, prompt))
+        return hidden
+
+
+_LOCAL_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _local_blocks(manager) -> LocalBlocks:
+    if manager not in _LOCAL_BLOCKS:
+        _LOCAL_BLOCKS[manager] = LocalBlocks(manager.config)
+    return _LOCAL_BLOCKS[manager]
