@@ -158,7 +158,14 @@ class Verifier:
         blocks = _local_blocks(self.manager)
         if not blocks.available:
             return None
-        output = await asyncio.to_thread(blocks.run, span.start, span.end, inputs, prompts)
+        try:
+            output = await asyncio.to_thread(blocks.run, span.start, span.end, inputs, prompts)
+        except Exception as error:  # the client's own failure is not evidence against anyone
+            logger.warning(
+                "Cannot recompute blocks %d:%d locally to verify them: %s", span.start, span.end, error
+            )
+            blocks.available = False
+            return None
         return None, output[:, -length:], "float32"
 
     async def _recompute(
