@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -151,11 +152,11 @@ class ServerSession:
         return response
 
     def _replaceable(self) -> bool:
-        """Whether other servers of the swarm (banned ones too: a ban ends, a new server may join
-        meanwhile) cover this span's blocks: a step that hangs here may be worth moving elsewhere."""
-        span, covered = self.span, set()
+        """Whether other servers that answered a ping (banned ones too: a ban ends, a new server may
+        join meanwhile) cover this span's blocks: a step that hangs here may be worth moving elsewhere."""
+        span, covered, pings = self.span, set(), self.manager.pings
         for other in self.manager.spans.values():
-            if other.peer_id != span.peer_id:
+            if other.peer_id != span.peer_id and math.isfinite(pings.get(other.peer_id, math.inf)):
                 covered.update(range(max(other.start, span.start), min(other.end, span.end)))
         return len(covered) == span.length
 
