@@ -193,4 +193,13 @@ def offline_hf_cache(tmp_path, monkeypatch):
 
 
 # ---- a real local swarm for client tests: see petals.testing.swarm ----------------------------
-from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm  # noqa: E402, F401
+from petals.testing.swarm import LOOPBACK_CLIENT, inprocess_swarm, running_swarm  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_swarm(tiny_model_path) -> Iterator[tuple[Path, list[str]]]:
+    """(model path, initial peers) of one in-process swarm of tiny Llama, blocks 0:2 and 2:4, shared by
+    every test that only reads from it (no server options, no faults)."""
+    path = tiny_model_path("llama")
+    with inprocess_swarm(path, "0:2", "2:4") as (dht, _):
+        yield path, dht.initial_peers
