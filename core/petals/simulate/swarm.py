@@ -92,7 +92,7 @@ class SimulatedSwarm:
         self.cache_tokens = np.array(
             [
                 gpu.cache_sessions * scenario.session_tokens_max * 2.0 * m
-                for gpu, m in zip(gpus, self.max_blocks)
+                for gpu, m in zip(gpus, self.max_blocks, strict=True)
             ]
         )
         self.rtt = np.array(scenario.rtt_ms, float) / 1000
