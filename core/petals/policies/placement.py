@@ -218,6 +218,12 @@ class OursPlacement(Placement):
         per_block = view.forward_rps / np.maximum(view.ends - view.starts, 1)
         return np.where(np.isfinite(per_block) & (per_block > 0), per_block, view.throughputs)
 
+    def capacity(self, view: SwarmView, index: int) -> float:
+        per_block = view.forward_rps[index] / max(view.ends[index] - view.starts[index], 1)
+        return (
+            float(per_block) if np.isfinite(per_block) and per_block > 0 else float(view.throughputs[index])
+        )
+
     def choose_new_blocks(
         self,
         view: SwarmView,
@@ -229,10 +235,9 @@ class OursPlacement(Placement):
         levels: np.ndarray | None = None,
     ) -> MoveDecision:
         current = range(int(view.starts[index]), int(view.ends[index]))
-        capacities = self.capacities(view)
         levels = self.levels(view) if levels is None else levels.copy()
         initial = levels.min()
-        levels[current.start : current.stop] -= capacities[index]
+        levels[current.start : current.stop] -= self.capacity(view, index)
         here = levels[current.start : current.stop].min()
         if initial > EPS and here <= EPS:
             return _staying(current, "the only server for some of them")

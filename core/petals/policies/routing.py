@@ -94,7 +94,7 @@ def min_latency_route(candidates: RouteCandidates, start: int, end: int, steps: 
             break
         best_per_site = np.minimum.reduceat(used, site_starts)
         into_site = (best_per_site[:, None] + hops).min(axis=0)
-        at = np.minimum(used, into_site[local_site]) + absent[offset + 1]
+        at = np.minimum(used, into_site[local_site])  # servers not covering the next block: inf there
         ats.append(at)
     total = useds[-1] + c.client_rtt[order] / 2
     last = int(np.argmin(total))

@@ -68,7 +68,10 @@ def summarize(m: Metrics, wall_seconds: float) -> dict:
 
 def simulate(scenario: Scenario, policies: Sequence[str] = POLICIES) -> dict:
     """Every policy on the same trace, and how ours compares with Petals 2.2 when both ran."""
-    results = {policy: run_policy(scenario, policy) for policy in policies}
+    return with_comparison(scenario, {policy: run_policy(scenario, policy) for policy in policies})
+
+
+def with_comparison(scenario: Scenario, results: dict[str, dict]) -> dict:
     report = {"scenario": _scenario_dict(scenario), "policies": results}
     if "ours" in results and "petals22" in results:
         ours, base = results["ours"], results["petals22"]
@@ -79,6 +82,27 @@ def simulate(scenario: Scenario, policies: Sequence[str] = POLICIES) -> dict:
             "moves_ratio": ours["moves_per_server_hour"] / max(base["moves_per_server_hour"], 1e-9),
         }
     return report
+
+
+SUMMARY_KEYS = (
+    "coverage",
+    "throughput",
+    "throughput_bound",
+    "latency_p50",
+    "latency_p95",
+    "moves_per_server_hour",
+    "routing_ms_p95",
+    "wall_seconds",
+)
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = [f"{'policy':10}" + "".join(f"{key:>24}" for key in SUMMARY_KEYS)]
+    for policy, result in report["policies"].items():
+        lines.append(f"{policy:10}" + "".join(f"{result[key]:>24.4g}" for key in SUMMARY_KEYS))
+    for key, value in report.get("comparison", {}).items():
+        lines.append(f"ours/petals22 {key}: {value:.3f}")
+    return lines
 
 
 def _scenario_dict(scenario: Scenario) -> dict:

@@ -68,7 +68,7 @@ class SimulatedSwarm:
     def __init__(self, scenario: Scenario, placement: Placement, routing: Routing) -> None:
         self.scenario, self.placement, self.routing = scenario, placement, routing
         self.policy_rng = np.random.default_rng([scenario.seed, 7])
-        self.now, self.warmup = 0.0, scenario.warmup_hours * 3600
+        self.now, self.warmup = 0.0, scenario.warmup_seconds
         self.metrics = Metrics()
         self.events: list[tuple] = []
         self.sequence = itertools.count()
@@ -220,7 +220,7 @@ class SimulatedSwarm:
         self.change()
         self.state[slot] = NO_RECORD
 
-    def view(self) -> tuple[SwarmView, dict[int, int]]:
+    def view(self) -> tuple[SwarmView, np.ndarray]:
         """The placement policy's input: every JOINING or ONLINE record (crashed servers' included)."""
         if self._view_cache is None or self._view_cache[3] != self.version:
             slots = np.flatnonzero(self.state[: self.count] >= JOINING)
@@ -233,7 +233,8 @@ class SimulatedSwarm:
                 forward / ((lengths + 1) / 2),
                 forward,
             )
-            positions = {int(slot): index for index, slot in enumerate(slots)}
+            positions = np.full(self.count, -1)
+            positions[slots] = np.arange(len(slots))
             self._view_cache = (view, positions, self.placement.levels(view), self.version)
         return self._view_cache[0], self._view_cache[1]
 
