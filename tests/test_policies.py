@@ -129,6 +129,9 @@ def test_ours_spreads_clients_over_equal_servers_and_avoids_loaded_ones():
     assert {OursRouting().route(loaded, 0, 4, rng)[0][0] for _ in range(30)} == {5}
 
 
+NO_HISTORY = MoveHistory()
+
+
 def view(spans, total=4) -> SwarmView:
     return SwarmView.from_spans(total, spans)
 
@@ -150,7 +153,7 @@ def test_ours_counts_what_a_server_gives_each_block_where_petals_overrates_long_
     assert list(OursPlacement().levels(without_forward)) == [1.0, 1.0, 0.0, 0.0]
 
 
-def decide(placement, swarm, index=0, now=0.0, history=MoveHistory()):
+def decide(placement, swarm, index=0, now=0.0, history=NO_HISTORY):
     return placement.choose_new_blocks(swarm, index, now=now, rng=np.random.default_rng(0), history=history)
 
 
