@@ -18,7 +18,8 @@ def plot_report(report: dict, path: str | Path) -> None:
         series, color = result["series"], COLORS.get(policy)
         coverage.step(series["hours"], series["coverage"], where="post", color=color, label=policy)
         throughput.plot(series["hours"], series["throughput"], color=color, label=f"{policy} bottleneck")
-        latency.plot(series["hours"], series["latency_p50"], color=color, label=f"{policy} p50")
+        latencies = [float("nan") if value is None else value for value in series["latency_p50"]]
+        latency.plot(series["hours"], latencies, color=color, label=f"{policy} p50")
     first = next(iter(report["policies"].values()), None)
     if first is not None:
         series = first["series"]

@@ -395,7 +395,7 @@ class SimulatedSwarm:
         series["throughput"].append(throughput)
         series["bound"].append(bound)
         recent = self.metrics.latencies[-50:]
-        series["latency_p50"].append(float(np.median(recent)) if recent else float("nan"))
+        series["latency_p50"].append(float(np.median(recent)) if recent else None)
         self.push(self.now + self.scenario.sample_seconds, "sample")
 
 
