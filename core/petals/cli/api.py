@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from petals.cli.errors import PetalsCommand
-from petals.cli.options import private_swarm_options
+from petals.cli.options import VERIFY_OPTION, private_swarm_options
 
 READY_MESSAGE = "petals api: serving"
 
@@ -56,6 +56,7 @@ READY_MESSAGE = "petals api: serving"
     show_default=True,
     help="Seconds a WebSocket session may stay idle.",
 )
+@VERIFY_OPTION
 @private_swarm_options
 def api_command(
     model: str,
@@ -69,6 +70,7 @@ def api_command(
     max_tokens: int,
     max_request_bytes: int,
     session_timeout: float,
+    verify: float,
     **private_swarm: str | None,
 ) -> None:
     """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
@@ -88,6 +90,7 @@ def api_command(
         limits=limits,
         dht_prefix=dht_prefix,
         private_swarm=private_swarm,
+        verify=verify,
     )
 
 
@@ -104,6 +107,7 @@ def run_api(
     dht_prefix: str | None = None,
     on_ready: Callable[[str, str], None] | None = None,
     private_swarm: dict[str, str | None] | None = None,
+    verify: float = 0.0,
 ) -> None:
     """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
     try:
@@ -124,6 +128,7 @@ def run_api(
         model,
         initial_peers=initial_peers,
         dht_prefix=dht_prefix,
+        verify=verify,
         **(LOOPBACK_CLIENT if loopback else {}),
         **(private_swarm or {}),
     )

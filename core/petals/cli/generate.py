@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
-from petals.cli.options import PRIVATE_SWARM_OPTIONS, private_swarm_option_list
+from petals.cli.options import PRIVATE_SWARM_OPTIONS, VERIFY_OPTION, private_swarm_option_list
 
 PROMPT_LOOKUP_TOKENS = 10  # proposals per step: a wide-area round trip costs far more than verifying them
 
@@ -37,6 +37,7 @@ def client_options(command: Callable) -> Callable:
         click.option(
             "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
         ),
+        VERIFY_OPTION,
         *private_swarm_option_list(identity=True),
     ]
     for decorate in reversed(options):
@@ -137,6 +138,7 @@ def connect(model: str, options: dict[str, Any]):
         model,
         initial_peers=peers,
         dht_prefix=options["dht_prefix"],
+        verify=options["verify"],
         **(LOOPBACK_CLIENT if options["loopback"] else {}),
         **{name: options[name] for name in PRIVATE_SWARM_OPTIONS},
     )

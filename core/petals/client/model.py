@@ -39,6 +39,7 @@ from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
 from petals.client.remote_sequential import RemoteSequential
+from petals.client.suspects import Suspect
 from petals.loading import Checkpoint
 from petals.network.client import ClientNetwork
 
@@ -103,6 +104,10 @@ class DistributedModelMixin:
     @property
     def remote_blocks(self) -> RemoteSequential:
         return self.get_submodule(self.config.block_prefix)[0].remote
+
+    def suspects(self) -> list[Suspect]:
+        """Servers this client caught returning wrong outputs (``verify``): peer id, blocks, evidence."""
+        return self.remote_blocks.manager.suspects.list()
 
     def close(self) -> None:
         """Leave the swarm: stop this model's p2p daemon and DHT node (its sessions must be closed)."""
@@ -202,6 +207,7 @@ class DistributedModelMixin:
         dtype: torch.dtype | None = None,
         **hub_kwargs: Any,
     ):
+        config.name_or_path = str(model_name_or_path)  # as transformers sets it; ``verify`` reads it
         model = cls(config, network=network)
         checkpoint = Checkpoint.open(model_name_or_path, **hub_kwargs)
         model._load_local_tensors(checkpoint, dtype)

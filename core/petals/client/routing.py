@@ -18,9 +18,11 @@ the server is banned (``ban_timeout`` seconds, doubled after every consecutive f
 failure is its own. A request the server refused as malformed (``bad_request``), or an error of the
 client itself, is raised at once and bans nobody.
 
-Inference steps wait for a server as long as its own observed latency says they should
-(``StepDeadlines``), so a hung server is routed around in seconds rather than after
-``request_timeout``.
+What the client measured of each server (``measurements.ServerMeasurements``) overrides what the
+server announced once it has samples: routes use the measured speed where it is lower, and inference
+steps wait for a server as long as its observed latency (or, for a server never timed, its announced
+speed bounded by other servers of the same blocks) says they should, so a hung server is routed
+around in seconds rather than after ``request_timeout``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
+from petals.client.measurements import ServerMeasurements
+from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
 from petals.membership import MembershipError
@@ -80,35 +84,6 @@ def judge_failure(error: BaseException) -> tuple[bool, bool]:
     return False, False
 
 
-class StepDeadlines:
-    """How long to wait for a server's inference step: ``factor`` times what its steps have taken so
-    far (scaled up for steps with more tokens than usual), never under ``floor`` nor over ``ceiling``.
-
-    A server not timed yet gets the ``ceiling`` (``request_timeout``), so a slow first prefill is
-    never taken for a hang.
-    """
-
-    def __init__(self, floor: float, ceiling: float, factor: float = 10.0, smoothing: float = 0.5) -> None:
-        self.floor, self.ceiling, self.factor, self.smoothing = floor, ceiling, factor, smoothing
-        self._seconds: dict[PeerID, float] = {}
-        self._tokens: dict[PeerID, float] = {}
-
-    def deadline(self, peer: PeerID, tokens: int) -> float:
-        seconds = self._seconds.get(peer)
-        if seconds is None:
-            return self.ceiling
-        expected = seconds * max(1.0, tokens / self._tokens[peer])
-        return min(max(self.factor * expected, self.floor), self.ceiling)
-
-    def observe(self, peer: PeerID, tokens: int, seconds: float) -> None:
-        if peer not in self._seconds:
-            self._seconds[peer], self._tokens[peer] = seconds, float(tokens)
-            return
-        keep = 1 - self.smoothing
-        self._seconds[peer] = keep * self._seconds[peer] + self.smoothing * seconds
-        self._tokens[peer] = keep * self._tokens[peer] + self.smoothing * tokens
-
-
 @dataclass
 class _Ban:
     until: float
@@ -128,7 +103,8 @@ class RemoteSequenceManager:
         self.pings: dict[PeerID, float] = {}
         self.bans: dict[PeerID, _Ban] = {}
         self.last_update = -float("inf")
-        self.step_deadlines = StepDeadlines(config.min_step_timeout, config.request_timeout)
+        self.measurements = ServerMeasurements(config.min_step_timeout, config.request_timeout)
+        self.suspects = Suspects()  # caught lying by ``verification``: banned for good
         self.routing = ROUTINGS[getattr(config, "routing", "ours")]()
         self.routing_rng = np.random.default_rng()
 
@@ -200,7 +176,7 @@ class RemoteSequenceManager:
 
     def _is_banned(self, peer: PeerID, now: float) -> bool:
         ban = self.bans.get(peer)
-        return ban is not None and ban.until > now
+        return peer in self.suspects or (ban is not None and ban.until > now)
 
     def on_request_failure(self, peer: PeerID | None) -> None:
         if peer is None:
@@ -259,7 +235,7 @@ class RemoteSequenceManager:
     def _choose(
         self, start: int, end: int, mode: str, cache_tokens_needed: int | None
     ) -> list[RemoteSpanInfo]:
-        spans = self.usable_spans()
+        spans = self.measurements.measured_spans(self.usable_spans())
         if cache_tokens_needed is not None:
             spans = [span for span in spans if _has_cache_for(span, cache_tokens_needed)]
         self._check_coverage(spans, start, end, cache_tokens_needed)

@@ -68,6 +68,7 @@ class Server:
         self.online = asyncio.Event()  # set once the server has first announced ONLINE
         self.using_relay = False  # set on joining: reachable only through a relay
         self.peer_id: PeerID | None = None  # set on joining
+        self.span: ServingSpan | None = None  # the blocks it serves now
         self.membership = load_membership(settings.network, role="server")  # None in a public swarm
         self.placement = make_placement(
             settings.placement, settings.balance_quality, settings.mean_balance_check_period
@@ -117,7 +118,7 @@ class Server:
         try:
             blocks = await self._choose_blocks(node)
             while blocks is not None and not self.stop.is_set():
-                span = ServingSpan(self, p2p, node, scheduler, blocks)
+                span = self.span = ServingSpan(self, p2p, node, scheduler, blocks)
                 try:
                     if not await self._until_stopped(span.start()):
                         break
