@@ -181,3 +181,62 @@ def test_ctrl_c_saves_what_was_trained_so_far(model_path, peers, data, tmp_path)
     assert "Interrupted after" in tune.log and out.is_file()
     with safe_open(out, framework="pt") as file:
         assert file.metadata()["tuning_mode"] == "deep_ptune"
+
+
+def greedy_text(model, tokenizer, text: str, new_tokens: int, chat: bool = False) -> str:
+    from petals.cli.generate import encode
+
+    inputs = encode(tokenizer, text, chat)
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def references(tuned, model_path, peers):
+    """The Python client with the trained prompts, and without: what the commands must print."""
+    out, _, _ = tuned
+    models = [
+        petals.AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=peers, **LOOPBACK_CLIENT, **({"prompts": out} if prompts else {})
+        )
+        for prompts in (True, False)
+    ]
+    yield models
+    for model in models:
+        model.close()
+
+
+def test_generate_and_chat_use_the_prompts_file(tuned, model_path, peers, tokenizer, references):
+    out, _, _ = tuned
+    with_prompts, plain = references
+    expected = greedy_text(with_prompts, tokenizer, "The flag of land 5 is", 8)
+    assert expected != greedy_text(plain, tokenizer, "The flag of land 5 is", 8)
+    args = [str(model_path), *peer_args(peers), "--prompts", str(out), "--max_new_tokens", "8"]
+    result = CliRunner().invoke(main, ["generate", *args, "The flag of land 5 is"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == expected.strip()
+    result = CliRunner().invoke(main, ["chat", *args], input="hello there\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert greedy_text(with_prompts, tokenizer, "hello there", 8, chat=True).strip() in result.stdout
+
+
+def test_api_serves_the_prompts_as_a_model_of_their_own(tuned, model_path, peers, tokenizer, references):
+    import httpx2
+
+    from petals.local_swarm import start_api
+
+    out, _, _ = tuned
+    with_prompts, plain = references
+    with start_api(model_path, peers, "--prompts", f"flags={out}", "--model_id", "base") as api:
+        models = httpx2.get(f"{api.url}/v1/models", timeout=30).json()
+        assert [card["id"] for card in models["data"]] == ["base", "flags"]
+        for name, reference in (("flags", with_prompts), ("base", plain)):
+            body = {"model": name, "prompt": "The flag of land 4 is", "max_tokens": 8, "temperature": 0}
+            reply = httpx2.post(f"{api.url}/v1/completions", json=body, timeout=120).json()
+            assert reply["choices"][0]["text"] == greedy_text(
+                reference, tokenizer, "The flag of land 4 is", 8
+            )
+            assert reply["model"] == name
+        missing = httpx2.post(f"{api.url}/v1/completions", json={**body, "model": "nope"}, timeout=30)
+        assert missing.status_code == 404 and "'base', 'flags'" in missing.json()["error"]["message"]

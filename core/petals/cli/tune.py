@@ -107,6 +107,19 @@ def batch_order(count: int, batch_size: int, steps: int, seed: int) -> list[list
     return [order[step * batch_size : (step + 1) * batch_size] for step in range(steps)]
 
 
+def init_from_vocabulary(model, seed: int) -> None:
+    """Start the input prompts as the embeddings of random vocabulary tokens: at the scale the first
+    block expects, unlike ``nn.Embedding``'s N(0, 1) (deep prompts start at zero)."""
+    import torch
+
+    embeddings = model.get_input_embeddings().weight
+    rows = torch.randint(
+        0, embeddings.shape[0], (model.config.pre_seq_len,), generator=torch.Generator().manual_seed(seed)
+    )
+    with torch.no_grad():
+        model.prompt_embeddings.weight.copy_(embeddings[rows])
+
+
 def loss_of(model, examples: list[Example], pad_id: int):
     ids, labels = batch_tensors(examples, pad_id)
     return model(input_ids=ids, labels=labels).loss
@@ -273,6 +286,7 @@ def tune_command(model: str, out: str, json_path: str | None, **options: Any) ->
     tokenizer, distributed = connect(
         model, options, tuning_mode=options["mode"], pre_seq_len=options["pre_seq_len"]
     )
+    init_from_vocabulary(distributed, options["seed"])
     metrics = Metrics(model, options["mode"], options["pre_seq_len"])
     try:
         run = TuneRun(
