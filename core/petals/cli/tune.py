@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,7 @@ class TuneRun:
     eval_every: int
     seed: int
     chat: bool
+    on_step: Callable[[int], None] | None = None  # called after each step with its number
 
     @property
     def pad_id(self) -> int:
@@ -221,6 +223,8 @@ class TuneRun:
             progress.set_postfix_str(f"loss {loss:.4f}, {tokens / seconds:.0f} tokens/s")
             if not math.isfinite(loss):
                 raise click.ClickException(f"the loss became {loss} at step {step}: lower --lr")
+            if self.on_step is not None:
+                self.on_step(step)
             if step == self.steps or (self.eval_every and step % self.eval_every == 0):
                 progress.clear()
                 self.evaluate(step, metrics)
@@ -274,6 +278,13 @@ class TuneRun:
     type=click.Path(dir_okay=False),
     help="Write every step's loss and the evaluations here.",
 )
+@option(
+    "--request_timeout",
+    default=180.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds before a silent server's request is retried elsewhere.",
+)
 @private_swarm_options
 def tune_command(model: str, out: str, json_path: str | None, **options: Any) -> None:
     """Train prompts for MODEL through a swarm on prompt/completion rows and save them to --out."""
@@ -284,7 +295,11 @@ def tune_command(model: str, out: str, json_path: str | None, **options: Any) ->
     held_out_rows = read_rows(options["eval_path"]) if options["eval_path"] else []
     torch.manual_seed(options["seed"])
     tokenizer, distributed = connect(
-        model, options, tuning_mode=options["mode"], pre_seq_len=options["pre_seq_len"]
+        model,
+        options,
+        tuning_mode=options["mode"],
+        pre_seq_len=options["pre_seq_len"],
+        request_timeout=options["request_timeout"],
     )
     init_from_vocabulary(distributed, options["seed"])
     metrics = Metrics(model, options["mode"], options["pre_seq_len"])
