@@ -240,3 +240,17 @@ def test_api_serves_the_prompts_as_a_model_of_their_own(tuned, model_path, peers
             assert reply["model"] == name
         missing = httpx2.post(f"{api.url}/v1/completions", json={**body, "model": "nope"}, timeout=30)
         assert missing.status_code == 404 and "'base', 'flags'" in missing.json()["error"]["message"]
+
+
+def test_the_demo_data_is_valid_and_its_held_out_sentences_are_not_trained_on():
+    from importlib import resources
+
+    from petals.cli.tune import read_rows
+
+    data = resources.files("petals") / "demo_data"
+    train, held_out = (read_rows(str(data / name)) for name in ("records_train.jsonl", "records_eval.jsonl"))
+    assert len(train) == 60 and len(held_out) == 12
+    for row in train + held_out:
+        name, city, age = row["completion"].split(" | ")
+        assert all(part in row["prompt"] for part in (name, city, age)), row
+    assert not {row["prompt"] for row in held_out} & {row["prompt"] for row in train}
