@@ -232,11 +232,11 @@ class Context:
 
         ``threads``: each server's torch threads (``OMP_NUM_THREADS``), else torch's default.
         The swarm stays up for the next benchmark asking for the same one; any other is stopped first.
-        With ``--quick``, every swarm is one server (so all benchmarks share it).
+        With ``--quick``, every swarm is one server at torch's default threads (so all benchmarks share it).
         """
         from petals.testing.swarm import running_swarm
 
-        servers = self.pick(servers, 1)
+        servers, threads = self.pick(servers, 1), self.pick(threads, None)
         key = (str(self.model_path(name)), servers, threads)
         if self._swarm is not None and self._swarm[0] == key:
             return self._swarm[1]
