@@ -103,7 +103,12 @@ def wan_latency(ctx: Context) -> Result:
             f"local, {count} threads": _with_threads(lambda: generate(local), count)
             for count in {1, torch.get_num_threads()}
         }
-        runs = {**local_runs, "push on": lambda: generate(push_on), "push off": lambda: generate(push_off)}
+        lateness = ProxyLateness(proxies)
+        runs = {
+            **local_runs,
+            "push on": lateness.counting(lambda: generate(push_on)),
+            "push off": lambda: generate(push_off),
+        }
         samples = interleaved(runs, repeats)
         breakdown = traced_decode_step(lambda: generate(push_on))
         assert torch.equal(generate(direct), expected)
@@ -124,6 +129,8 @@ def wan_latency(ctx: Context) -> Result:
     proxy_cost = best["push on, proxies at D = 0"] - best["push on, direct"]
     own_at_zero = best["push on, direct"] - best["local"]
     with_delay = best["push on"] - floor_on - best["push on, proxies at D = 0"]
+    late_per_chunk = lateness.seconds / max(lateness.chunks, 1)
+    late_on_path = (SERVERS + 1) * late_per_chunk  # one message per hop of the floor
     return Result(
         item="h",
         title=f"per-token latency, {SERVERS} servers each behind a {DELAY_MS:g} ms proxy (tiny-llama)",
@@ -142,6 +149,11 @@ def wan_latency(ctx: Context) -> Result:
                 "at D - floor - proxies at D = 0 (only with the delay)": with_delay,
             },
             "traced_decode_step_seconds": breakdown,
+            "proxy_lateness": {
+                "chunks_per_token": lateness.chunks / max(lateness.runs * tokens, 1),
+                "mean_seconds_per_chunk": late_per_chunk,
+                "on_the_floor_path_seconds_per_token": late_on_path,
+            },
         },
         settings={"servers": SERVERS, "delay_ms": DELAY_MS, "tokens": tokens, "repeats": repeats},
         notes=[
@@ -155,10 +167,33 @@ def wan_latency(ctx: Context) -> Result:
             f"{best['push on, proxies at D = 0'] * 1e3:.1f} ms - direct {best['push on, direct'] * 1e3:.1f} ms) "
             f"+ {own_at_zero * 1e3:.1f} ms ours at no delay (direct - local) "
             f"+ {with_delay * 1e3:.1f} ms only with the delay (at D - floor - proxies at D = 0)",
+            f"the proxies' own lateness at D (push on runs): {late_per_chunk * 1e3:.2f} ms per chunk past its due time "
+            f"({lateness.chunks / max(lateness.runs * tokens, 1):.1f} chunks per token), so about "
+            f"{late_on_path * 1e3:.1f} ms per token on the floor's {SERVERS + 1} hops (part of 'only with the delay')",
             "traced decode step at D, push on (mean ms, measured in the client and server processes):",
             *describe_breakdown(breakdown),
         ],
     )
+
+
+class ProxyLateness:
+    """Sums the proxies' lateness (``DelayProxy.late_seconds``) and chunks over the runs it wraps."""
+
+    def __init__(self, proxies: list) -> None:
+        self.proxies = proxies
+        self.seconds, self.chunks, self.runs = 0.0, 0, 0
+
+    def counting(self, run):
+        def counted() -> object:
+            seconds = sum(proxy.late_seconds for proxy in self.proxies)
+            chunks = sum(proxy.chunks_sent for proxy in self.proxies)
+            result = run()
+            self.seconds += sum(proxy.late_seconds for proxy in self.proxies) - seconds
+            self.chunks += sum(proxy.chunks_sent for proxy in self.proxies) - chunks
+            self.runs += 1
+            return result
+
+        return counted
 
 
 BENCHMARKS = {"wan_latency": wan_latency}

@@ -35,7 +35,9 @@ class DelayProxy:
     Each chunk is held from its own arrival (a stream of chunks is delayed, not slowed down), in
     order, in both directions. The asyncio loop runs in a daemon thread; ``close()`` (or leaving
     the ``with`` block) closes every socket. ``bytes_forwarded`` counts the payload both ways, so
-    a caller can check that traffic really goes through the proxy.
+    a caller can check that traffic really goes through the proxy; ``chunks_sent`` and
+    ``late_seconds`` (the sum over chunks of how long after its due time each was written: timer
+    granularity and waiting for the loop's thread) measure the proxy's own delay beyond ``delay_ms``.
     """
 
     def __init__(self, target_port: int, delay_ms: float = 20.0, host: str = "127.0.0.1") -> None:
@@ -44,6 +46,8 @@ class DelayProxy:
         self.host = host
         self.port: int | None = None
         self.bytes_forwarded = 0
+        self.chunks_sent = 0
+        self.late_seconds = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -134,7 +138,9 @@ class DelayProxy:
                 if writer.can_write_eof():
                     writer.write_eof()
                 return
+            self.late_seconds += max(0.0, time.monotonic() - due)
             writer.write(chunk)
+            self.chunks_sent += 1
             self.bytes_forwarded += len(chunk)
             await writer.drain()
 
