@@ -130,6 +130,13 @@ CASES = [
         None,
     ),
     (
+        "generate: verify is not a fraction",
+        lambda f: ["generate", f["model"], "--initial_peers", f["closed_peer"], "--verify", "5", "hi"],
+        2,
+        "Invalid value for '--verify': 5.0 is not in the range 0.0<=x<=1.0",
+        None,
+    ),
+    (
         "generate: no server hosts the blocks",
         lambda f: ["generate", f["model"], "--initial_peers", f["empty_swarm"], "--loopback", "hi"],
         1,

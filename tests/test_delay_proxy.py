@@ -57,6 +57,33 @@ def test_bytes_pass_through_unchanged_in_order(echo_port):
     assert proxy.bytes_forwarded == 2 * len(payload)
 
 
+def test_the_proxy_records_each_chunk_and_how_late_it_was_written(echo_port):
+    with (
+        DelayProxy(echo_port, delay_ms=DELAY_MS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as sock,
+    ):
+        sock.sendall(b"before")
+        receive_exactly(sock, 6)
+        proxy.events = events = []
+        for message in (b"one", b"three"):
+            sock.sendall(message)
+            assert receive_exactly(sock, len(message)) == message
+        proxy.events = None
+        sock.sendall(b"after")
+        receive_exactly(sock, 5)
+    assert [(event.direction, event.size) for event in events] == [
+        ("to server", 3),
+        ("from server", 3),
+        ("to server", 5),
+        ("from server", 5),
+    ]
+    for event in events:
+        assert event.due == pytest.approx(event.arrived + DELAY_MS / 1000)
+        assert event.sent >= event.due
+    assert proxy.chunks_sent == 8
+    assert proxy.late_seconds >= sum(event.sent - event.due for event in events)
+
+
 def test_a_round_trip_takes_twice_the_delay_and_delays_do_not_add_up(echo_port):
     with (
         DelayProxy(echo_port, delay_ms=DELAY_MS) as proxy,
