@@ -13,9 +13,10 @@ from test_tune import COLORS, tiny_chat_llama
 from transformers import AutoTokenizer
 
 import petals
+from conftest import swarm_with_processes
 from petals.cli.tune import Metrics, TuneRun, init_from_vocabulary, make_example
 from petals.demo_model import prepare_demo_model
-from petals.local_swarm import READY_MESSAGE, running_swarm, start_server
+from petals.local_swarm import READY_MESSAGE, start_server
 from petals.network.client import LOOPBACK_CLIENT
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,8 @@ def test_a_killed_and_a_hung_server_and_new_ones_cost_one_step_each_and_change_n
     model_path = tiny_chat_llama(tmp_path / "tiny-tune-llama", tokenizer)
     retries = RetriedRequests()
     logging.getLogger("petals.client").addHandler(retries)
-    with running_swarm(model_path, "0:2", "2:4", server_args=SERVER_ARGS[2:]) as (dht, (first, second)):
+    swarm = swarm_with_processes(model_path, "0:2", "2:4", processes=2, server_args=SERVER_ARGS[2:])
+    with swarm as (dht, (first, second)):
         unfaulted = train(model_path, dht.initial_peers, tokenizer)
         assert retries.by_step == {}
         joined = []
