@@ -9,6 +9,7 @@ from benchmarks import (
     server_memory,
     server_start,
     speculative,
+    swarm_scale,
     transport_floor,
     wan_latency,
 )
@@ -25,4 +26,5 @@ SUITE = {
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,
     **speculative.BENCHMARKS,
+    **swarm_scale.BENCHMARKS,  # no swarm: a simulation
 }
