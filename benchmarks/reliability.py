@@ -9,6 +9,9 @@
    output equals local transformers.
 3. Faults during generation (a server stopped with SIGSTOP; a server's Python process killed while
    its p2p daemon lives): the time from the fault to the next token, and equal outputs.
+4. Servers that lie (``benchmarks.trust``): a server perturbing its outputs against a client with
+   ``verify`` (and what ``verify`` costs), a server announcing 1000x its throughput, and 200 fake
+   server records under the blocks' keys.
 
 Everything runs on 127.0.0.1 (``--loopback``), is bounded in count and time, and stops what it
 started. Exits non-zero when any check fails.
@@ -39,6 +42,7 @@ from hivemind.proto import dht_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria
 
+from benchmarks.trust import run_trust, trust_checks
 from petals.bounded_msgpack import MsgpackLimitError, check_msgpack
 from petals.data_structures import make_uids
 from petals.testing.malformed import nested_metadata, nested_tuples
@@ -481,6 +485,7 @@ def checks(report: dict) -> list[tuple[str, bool]]:
         *((f"{name}: recovered within 10 s with equal output",
            fault["output_equals_local"] and fault["recovery_seconds"] is not None and fault["recovery_seconds"] < 10)
           for name, fault in faults.items()),
+        *trust_checks(report["trust"]),
     ]  # fmt: skip
 
 
@@ -502,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrent_clients": run_concurrent_clients(model_path, clients, tokens),
             # the short (CI) version leaves faults to tests/test_client_faults.py, which CI runs too
             "faults": {} if args.short else run_faults(model_path, 32),
+            "trust": run_trust(model_path, args.seed, 8 if args.short else 32, PREFIX),
         }
     report["checks"] = [{"check": name, "met": met} for name, met in checks(report)]
     print(json.dumps(report, indent=2))

@@ -10,6 +10,7 @@ from benchmarks import (
     server_start,
     speculative,
     transport_floor,
+    tune,
     wan_latency,
 )
 
@@ -23,6 +24,7 @@ SUITE = {
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **api_overhead.BENCHMARKS,  # on latency_smollm2's swarm
     **forward_throughput.BENCHMARKS,
+    **tune.BENCHMARKS,  # on forward_throughput's swarm
     "latency_smollm2_1t": generation_latency.BENCHMARKS["latency_smollm2_1t"],
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from petals.testing.swarm import start_dht
+from petals.testing.swarm import InProcessDht
 
 UNUSED_PEER_ID = "QmS9KwZptnVdB9FFV7uGgaTq4sEKBwcYeKZDfSpyKDUd1g"
 
@@ -56,7 +56,7 @@ def closed_peer():
 @pytest.fixture(scope="module")
 def empty_swarm():
     """A bootstrap peer with no servers."""
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         yield dht.initial_peers[0]
 
 
@@ -127,6 +127,13 @@ CASES = [
         lambda f: ["generate", f["missing_dir"], "--initial_peers", f["closed_peer"], "--loopback", "hi"],
         1,
         "no such directory",
+        None,
+    ),
+    (
+        "generate: verify is not a fraction",
+        lambda f: ["generate", f["model"], "--initial_peers", f["closed_peer"], "--verify", "5", "hi"],
+        2,
+        "Invalid value for '--verify': 5.0 is not in the range 0.0<=x<=1.0",
         None,
     ),
     (

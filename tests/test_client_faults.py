@@ -14,8 +14,10 @@ from hivemind.p2p import PeerID
 from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
-from petals.client.routing import RequestRefused, StepDeadlines
+from conftest import LOOPBACK_CLIENT, running_swarm, swarm_with_processes
+from petals.client.measurements import ServerMeasurements
+from petals.client.routing import RequestRefused
+from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
 
 NEW_TOKENS = 16
 FAULT_AFTER = 6
@@ -67,7 +69,7 @@ def test_a_hung_or_half_dead_server_is_routed_around_quickly(tiny_model_path, fa
     ids = prompt()
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = local.generate(ids, **GREEDY)
-    with running_swarm(path, "0:2", "2:4", "2:4") as (dht, servers):
+    with swarm_with_processes(path, "0:2", "2:4", "2:4", processes=2) as (dht, servers):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
@@ -87,18 +89,28 @@ def test_a_hung_or_half_dead_server_is_routed_around_quickly(tiny_model_path, fa
         assert criteria.recovery < RECOVERY_LIMIT, f"next token after {criteria.recovery:.1f} s"
 
 
-def test_deadlines_follow_observed_latency_and_spare_a_slow_first_prefill():
-    deadlines = StepDeadlines(floor=2.0, ceiling=180.0, factor=10.0)
-    peer = PeerID(b"\x00" * 34)
-    assert deadlines.deadline(peer, 512) == 180.0  # never timed: a long first prefill may take its time
+def _span(peer: PeerID, start: int, end: int, throughput: float) -> RemoteSpanInfo:
+    return RemoteSpanInfo(peer, start, end, ServerInfo(ServerState.ONLINE, throughput, start, end))
+
+
+def test_deadlines_follow_observed_latency_and_announced_speed():
+    deadlines = ServerMeasurements(floor=2.0, ceiling=180.0, factor=10.0)
+    timed = _span(PeerID(b"\x00" * 34), 0, 2, throughput=100.0)
+    # never timed, nobody else timed: what the announced throughput says (512 tokens, 2 blocks: 6.8 s)
+    assert deadlines.deadline(timed, 512) == pytest.approx(10 * 512 * 2 / (100.0 * 1.5))
+    assert deadlines.deadline(_span(timed.peer_id, 0, 2, throughput=0.0), 512) == 180.0  # nothing known
     for _ in range(5):
-        deadlines.observe(peer, tokens=1, seconds=0.5)
-    assert deadlines.deadline(peer, 1) == pytest.approx(5.0)
-    assert deadlines.deadline(peer, 8) == pytest.approx(40.0)  # 8x the tokens of its usual steps
-    assert deadlines.deadline(peer, 10_000) == 180.0
-    fast = PeerID(b"\x01" * 34)
+        deadlines.observe(timed, tokens=1, seconds=0.5)
+    assert deadlines.deadline(timed, 1) == pytest.approx(5.0)
+    assert deadlines.deadline(timed, 8) == pytest.approx(40.0)  # 8x the tokens of its usual steps
+    assert deadlines.deadline(timed, 10_000) == 180.0
+    fast = _span(PeerID(b"\x01" * 34), 2, 4, throughput=100.0)
     deadlines.observe(fast, tokens=1, seconds=0.001)
     assert deadlines.deadline(fast, 1) == 2.0  # the floor
+    # a fresh server of the timed one's blocks: its announced slowness is bounded by the timed one
+    fresh = _span(PeerID(b"\x02" * 34), 0, 2, throughput=1e-3)
+    assert deadlines.deadline(fresh, 1) == pytest.approx(5.0)
+    assert deadlines.deadline(_span(fresh.peer_id, 0, 2, throughput=0.0), 8) == pytest.approx(40.0)
 
 
 @pytest.fixture(scope="module")

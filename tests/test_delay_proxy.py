@@ -14,7 +14,7 @@ import torch
 
 import petals
 from petals.testing.delay_proxy import DelayProxy, start_server_behind_proxy
-from petals.testing.swarm import LOOPBACK_CLIENT, start_dht
+from petals.testing.swarm import LOOPBACK_CLIENT, InProcessDht
 
 DELAY_MS = 30.0
 
@@ -123,7 +123,7 @@ def test_closing_the_proxy_closes_open_connections(echo_port):
 def test_a_server_behind_the_proxy_is_reached_through_it(tiny_model_path):
     path = tiny_model_path("llama")
     with (
-        start_dht() as dht,
+        InProcessDht().start() as dht,
         start_server_behind_proxy(
             path, dht.initial_peers, "--block_indices", "0:4", "--torch_dtype", "float32", delay_ms=5
         ) as (server, proxy),

@@ -12,7 +12,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from petals.reachability import check_direct_reachability
-from petals.testing.swarm import LOOPBACK_CLIENT, start_dht, start_server
+from petals.testing.swarm import LOOPBACK_CLIENT, InProcessDht, start_dht, start_server
 from petals.testing.wire_client import WireClient
 
 ARGS = (
@@ -37,7 +37,10 @@ def announced_info(client: WireClient, key: str, peer_id: str) -> dict:
 
 def test_a_loopback_server_asks_nobody_and_announces_no_relay(tiny_model_path):
     """On 127.0.0.1 only this machine can connect, so there is nothing to ask another peer."""
-    with start_dht() as dht, start_server(tiny_model_path("llama"), dht.initial_peers, *ARGS) as server:
+    with (
+        InProcessDht().start() as dht,
+        start_server(tiny_model_path("llama"), dht.initial_peers, *ARGS) as server,
+    ):
         time.sleep(2.5)  # one update period after ONLINE
         client = WireClient(dht.initial_peers)
         try:

@@ -25,6 +25,7 @@ class ClientConfig:
     dht_prefix: str | None = None  # DHT key prefix; derived from the model name when None
     daemon_startup_timeout: float = 60
     show_route: str | bool = "inference"
+    routing: str = "ours"  # inference routing policy: ours or petals22 (petals.policies.routing)
     allowed_servers: Sequence[str] | None = None
     blocked_servers: Sequence[str] | None = None
     use_server_to_server: bool = True
@@ -41,6 +42,7 @@ class ClientConfig:
     active_adapter: str | None = None
     max_pinged: int = 3  # accepted as in Petals; every candidate server is pinged (routing.update)
     ping_timeout: float = 2
+    verify: float = 0.0  # the fraction of inference steps recomputed on a second server (``verification``)
     # the client's own libp2p peer (hivemind P2P.create); tests and one-machine swarms listen on
     # 127.0.0.1 only with NAT port mapping, AutoNAT and relays off
     host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)

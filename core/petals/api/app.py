@@ -18,14 +18,39 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from petals.api.chat_api import chat_api_router
 from petals.api.openai_routes import APIError, openai_router
 from petals.api.service import ModelService
+from petals.client.suspects import Suspects
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 PUBLIC_PATHS = {"/", "/favicon.ico"}
+
+
+def verification_metrics(suspects: Suspects) -> str:
+    """The client's ``verify`` counts in Prometheus' text format."""
+    counters = [
+        (
+            "petals_client_verified_steps_total",
+            "Inference steps recomputed on a second server",
+            suspects.checks,
+        ),
+        (
+            "petals_client_verification_mismatches_total",
+            "Verified steps where two servers disagreed",
+            suspects.mismatches,
+        ),
+        (
+            "petals_client_suspects_total",
+            "Servers caught returning wrong outputs, banned for good",
+            len(suspects),
+        ),
+    ]
+    return "".join(
+        f"# HELP {name} {text}\n# TYPE {name} counter\n{name} {value}\n" for name, text, value in counters
+    )
 
 
 def create_app(service: ModelService, api_key: str | None = None) -> ASGIApp:
@@ -37,6 +62,10 @@ def create_app(service: ModelService, api_key: str | None = None) -> ASGIApp:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def chat_page() -> str:
         return page
+
+    @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
+    async def metrics() -> str:
+        return verification_metrics(service.model.remote_blocks.manager.suspects)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -159,3 +159,13 @@ def option(name: str, *more: str, **kwargs: Any) -> Callable:
     if "_" in name:
         names.append(name.replace("_", "-"))
     return click.option(*names, **kwargs)
+
+
+VERIFY_OPTION = click.option(
+    "--verify",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Fraction of inference steps recomputed on a second server of the same blocks; servers caught "
+    "lying are banned.",
+)

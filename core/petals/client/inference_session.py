@@ -23,6 +23,7 @@ import torch
 from petals import tracing
 from petals.client.routing import MissingBlocksError, RemoteSequenceManager
 from petals.client.server_session import ServerSession, close_all, spawn
+from petals.client.verification import Verifier
 from petals.data_structures import RemoteSpanInfo
 from petals.tracing import NO_TRACE, StepTrace
 
@@ -69,6 +70,7 @@ class InferenceSession:
         self._closed = False
         self._traced_steps: list[dict[str, float]] = []  # with tracing on: logged when the session closes
         self._last_step_end: float | None = None
+        self._verifier = Verifier(manager, manager.config.verify)
 
     @property
     def route(self) -> list[RemoteSpanInfo]:
@@ -191,8 +193,13 @@ class InferenceSession:
                     self._sessions.extend(await self._open(at.block, len(self.manager), hidden))
                 session = self._sessions[at.index]
                 fresh = session.position == 0 and self.position > 0
-                output = await self._step_on(session, at, fresh, (hidden, prompts, hypo_ids), step_id, trace)
+                verified = not fresh and self._verifier.sample()
+                tensors = (hidden, prompts, hypo_ids)
+                output = await self._step_on(session, at, fresh, tensors, step_id, trace, verified)
                 self.manager.on_request_success(session.span.peer_id)
+                if verified and await self._caught_lying(session, output):
+                    await self._replace(at, session)  # the step is recomputed by the replacement
+                    continue
                 hidden = at.passed(session, output, fresh)
             except MissingBlocksError:
                 raise
@@ -208,8 +215,10 @@ class InferenceSession:
         tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
         step_id: str,
         trace: StepTrace,
+        verified: bool = False,
     ) -> torch.Tensor:
-        """The step on ``session``; a fresh one (a replacement) gets the session's history replayed first."""
+        """The step on ``session``; a fresh one (a replacement) gets the session's history replayed first.
+        A step to be verified is not pushed on: the next server must get the output only once checked."""
         hidden, prompts, hypo_ids = tensors
         span = session.span
         if fresh:
@@ -218,7 +227,7 @@ class InferenceSession:
             # a replay starts at position 0, so it carries the deep prompts sent with position 0
             hidden, prompts, hypo_ids = torch.cat([at.replay, hidden], dim=1), self._first_prompts, None
         span_prompts = prompts[span.start : span.end] if prompts is not None else None
-        next_servers = None if fresh else self._next_servers(at.index)
+        next_servers = None if fresh or verified else self._next_servers(at.index)
         name = _server_name(at.index, len(self._sessions))
         return await session.step((hidden, span_prompts, hypo_ids), step_id, next_servers, trace, name)
 
@@ -255,6 +264,11 @@ class InferenceSession:
             type(error).__name__,
             error,
         )
+        await self._replace(at, failed)
+
+    async def _replace(self, at: ChainPosition, failed: ServerSession) -> None:
+        """Route ``failed``'s blocks anew; the replacement is replayed what ``failed`` had seen."""
+        span = failed.span
         if failed.position > 0:
             at.replay = failed.history  # what the failed server had seen: the replacement rebuilds from it
         spans = await self.manager.make_sequence(
@@ -264,6 +278,17 @@ class InferenceSession:
             ServerSession(self.manager, s, self.max_length) for s in spans
         ]
         spawn(failed.close())
+
+    async def _caught_lying(self, session: ServerSession, output: torch.Tensor) -> bool:
+        """Whether ``session``'s server lied in the step it just answered with ``output`` (``verification``);
+        if so, the step is taken back from its session."""
+        span = session.span
+        prompts = self._first_prompts[span.start : span.end] if self._first_prompts is not None else None
+        liar = await self._verifier.judge(span, session.history, prompts, output)
+        if liar != span.peer_id:
+            return False
+        session.rollback(session.position - output.shape[1])
+        return True
 
     def _next_servers(self, index: int) -> list[list[Any]] | None:
         """Downstream sessions that already hold this session's past, for server-to-server pushes.

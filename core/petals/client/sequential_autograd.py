@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
@@ -76,6 +77,7 @@ async def sequential_forward(
         async def attempt(block: int = block, hidden: torch.Tensor = hidden):
             route = await manager.make_sequence(block, end, mode="max_throughput")
             span = route[0]
+            sent = time.perf_counter()
             try:
                 (output,) = await _call_span(
                     manager, "rpc_forward", span, hidden, _span_prompts(prompts, span)
@@ -85,6 +87,8 @@ async def sequential_forward(
             if output.shape != hidden.shape:
                 misbehaved = ServerMisbehaved(f"output shape {list(output.shape)} != {list(hidden.shape)}")
                 raise _SpanError(span, misbehaved) from misbehaved
+            tokens = hidden.shape[0] * hidden.shape[1]
+            manager.measurements.observe(span, tokens, time.perf_counter() - sent, inference=False)
             return span, output.to(hidden.dtype)
 
         span, output = await _with_retries(manager, attempt)

@@ -2,7 +2,7 @@
 
 A ``ServerSession`` sends each step of the client's session to the server computing its span
 (blocks ``[start, end)``), waits for the answer within the step deadline its server has earned
-(``routing.StepDeadlines``), and remembers every hidden state it sent (``history``), so that a
+(``measurements.ServerMeasurements``), and remembers every hidden state it sent (``history``), so that a
 replacement can be replayed the same inputs when this server fails (``inference_session``).
 """
 
@@ -139,15 +139,15 @@ class ServerSession:
             error, self._open_error = self._open_error, None
             raise error
         await self._open_stream()
-        deadlines = self.manager.step_deadlines
+        measurements = self.manager.measurements
         sent = time.perf_counter()
         self._requests.put_nowait(request)
-        async with asyncio.timeout(deadlines.deadline(self.span.peer_id, tokens)):
+        async with asyncio.timeout(measurements.deadline(self.span, tokens)):
             while self._unanswered:  # the opening step's answer comes first: nothing to read in it
                 await anext(self._responses)
                 self._unanswered -= 1
             response = await anext(self._responses)
-        deadlines.observe(self.span.peer_id, tokens, time.perf_counter() - sent)
+        measurements.observe(self.span, tokens, time.perf_counter() - sent)
         return response
 
     async def _open_stream(self) -> None:
