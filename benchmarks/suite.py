@@ -9,6 +9,7 @@ from benchmarks import (
     server_memory,
     server_start,
     speculative,
+    swarm_scale,
     transport_floor,
     tune,
     wan_latency,
@@ -29,4 +30,5 @@ SUITE = {
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,
     **speculative.BENCHMARKS,
+    **swarm_scale.BENCHMARKS,  # no swarm: a simulation
 }

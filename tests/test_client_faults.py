@@ -111,6 +111,8 @@ def test_deadlines_follow_observed_latency_and_announced_speed():
     fresh = _span(PeerID(b"\x02" * 34), 0, 2, throughput=1e-3)
     assert deadlines.deadline(fresh, 1) == pytest.approx(5.0)
     assert deadlines.deadline(_span(fresh.peer_id, 0, 2, throughput=0.0), 8) == pytest.approx(40.0)
+    assert deadlines.deadline(fresh, 1, replaceable=False) == 180.0  # nowhere else to go: no hurry
+    assert deadlines.deadline(timed, 1, replaceable=False) == pytest.approx(5.0)  # timed: as usual
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,11 @@ import itertools
 
 import numpy as np
 import pytest
+from hivemind.p2p import PeerID
 
+from petals.client.routing import RemoteSequenceManager
+from petals.config import ClientConfig
+from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
 from petals.policies import (
     OursPlacement,
     OursRouting,
@@ -204,3 +208,36 @@ def test_balance_checks_come_at_random_with_the_documented_mean():
         delays = [placement.check_delay(rng) for _ in range(20000)]
         assert min(delays) >= 0 and max(delays) <= 120
         assert np.mean(delays) == pytest.approx(60, rel=0.02)
+
+
+def sequence_manager(routing: str) -> RemoteSequenceManager:
+    config = ClientConfig()
+    config.dht_prefix, config.routing = "policies", routing
+    return RemoteSequenceManager(config, network=None, num_blocks=4)
+
+
+def test_the_live_client_routes_with_the_same_policy_objects():
+    peers = [PeerID(name.encode()) for name in ("fast-a", "fast-b", "slow")]
+    announced = {peers[1].to_base58(): 0.004}
+    infos = [
+        ServerInfo(ServerState.ONLINE, 1.0, inference_rps=100.0, next_pings=announced),
+        ServerInfo(ServerState.ONLINE, 1.0, inference_rps=100.0),
+        ServerInfo(ServerState.ONLINE, 1.0, inference_rps=20.0),
+    ]
+    spans = [
+        RemoteSpanInfo(peers[0], 0, 2, infos[0]),
+        RemoteSpanInfo(peers[1], 2, 4, infos[1]),
+        RemoteSpanInfo(peers[2], 0, 4, infos[2]),
+    ]
+    for routing in ("ours", "petals22"):
+        manager = sequence_manager(routing)
+        assert manager.routing.name == routing
+        manager.pings = dict.fromkeys(peers, 0.01)
+        candidates = manager.route_candidates(spans)
+        assert candidates.hop_seconds[0, 1] == pytest.approx(0.002)  # fast-a's announced ping, one way
+        assert candidates.hop_seconds[1, 0] == pytest.approx(0.01)  # none announced: via the client
+        route = manager._min_latency(spans, 0, 4)
+        assert [(span.peer_id, span.start, span.end) for span in route] == [
+            (peers[0], 0, 2),
+            (peers[1], 2, 4),
+        ]

@@ -142,13 +142,22 @@ class ServerSession:
         measurements = self.manager.measurements
         sent = time.perf_counter()
         self._requests.put_nowait(request)
-        async with asyncio.timeout(measurements.deadline(self.span, tokens)):
+        async with asyncio.timeout(measurements.deadline(self.span, tokens, self._replaceable())):
             while self._unanswered:  # the opening step's answer comes first: nothing to read in it
                 await anext(self._responses)
                 self._unanswered -= 1
             response = await anext(self._responses)
         measurements.observe(self.span, tokens, time.perf_counter() - sent)
         return response
+
+    def _replaceable(self) -> bool:
+        """Whether other servers of the swarm (banned ones too: a ban ends, a new server may join
+        meanwhile) cover this span's blocks: a step that hangs here may be worth moving elsewhere."""
+        span, covered = self.span, set()
+        for other in self.manager.spans.values():
+            if other.peer_id != span.peer_id:
+                covered.update(range(max(other.start, span.start), min(other.end, span.end)))
+        return len(covered) == span.length
 
     async def _open_stream(self) -> None:
         if self._responses is None:

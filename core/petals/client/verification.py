@@ -101,32 +101,44 @@ class Verifier:
                 limit,
             )
             return None
+        position = inputs.shape[1] - output.shape[1]
+        return self._majority(
+            span, (span.peer_id, output), (second_peer, second_output), third, limit, position
+        )
+
+    def _majority(
+        self,
+        span: RemoteSpanInfo,
+        first: tuple[PeerID, torch.Tensor],
+        second: tuple[PeerID, torch.Tensor],
+        third: tuple[PeerID | None, torch.Tensor, str | None],
+        limit: float,
+        position: int,
+    ) -> PeerID | None:
+        """Of two disagreeing answers, the one the third opinion disagrees with is a liar's (accused)."""
         third_peer, third_output, third_dtype = third
         limit = max(limit, tolerance(third_dtype))
-        first_error, second_error = (
-            relative_error(output, third_output),
-            relative_error(second_output, third_output),
-        )
+        first_error, second_error = (relative_error(answer, third_output) for _, answer in (first, second))
         if first_error > limit >= second_error:
-            liar, wrong = span.peer_id, first_error
+            liar, wrong = first[0], first_error
         elif second_error > limit >= first_error:
-            liar, wrong = second_peer, second_error
+            liar, wrong = second[0], second_error
         else:
             logger.warning(
-                "Three servers disagree on blocks %d:%d (%s, %s, %s); nobody is banned",
+                "Three answers disagree on blocks %d:%d (%s, %s, %s); nobody is banned",
                 span.start,
                 span.end,
-                span.peer_id,
-                second_peer,
-                third_peer,
+                first[0],
+                second[0],
+                _name(third_peer),
             )
             return None
-        honest = [_name(peer) for peer in (span.peer_id, second_peer, third_peer) if peer != liar]
-        suspects.accuse(
+        honest = [_name(peer) for peer in (first[0], second[0], third_peer) if peer != liar]
+        self.manager.suspects.accuse(
             liar,
             span,
             f"relative error {wrong:.1e} against {honest[0]} and {honest[1]}, which agree "
-            f"(tolerance {limit:.0e}) at position {inputs.shape[1] - output.shape[1]}",
+            f"(tolerance {limit:.0e}) at position {position}",
         )
         return liar
 
