@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint demo bench reliability image-test clean
+.PHONY: install test lint demo tune-demo bench reliability image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ install: $(INSTALLED)
 
 demo: $(INSTALLED)
 	$(BIN)/petals demo
+
+# deep prompt tuning through the demo's swarm: held-out answers before and after (petals demo --tune)
+tune-demo: $(INSTALLED)
+	$(BIN)/petals demo --tune
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest

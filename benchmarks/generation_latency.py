@@ -12,6 +12,10 @@ round trip per server, ``transport_floor`` measured in the same run), and one mo
 as the client and each server measured it.
 (a) tiny Llama (hidden 256, 8 layers, GQA 8/4, fp32), 2 servers x 4 blocks; Petals 2.2: 5.37x.
 (b) SmolLM2-135M-Instruct (fp32), 3 servers x 10 blocks.
+The ``_1t`` variants run the same with one torch thread everywhere (the local baseline, the client
+and every server, via ``OMP_NUM_THREADS=1``): nothing else differs, so on a machine whose few cores
+the client, servers and p2p daemons share, the ratio is not skewed by a baseline that gets all
+cores to itself while the swarm's processes compete for them.
 """
 
 from __future__ import annotations
@@ -22,14 +26,25 @@ import sys
 
 import torch
 
-from benchmarks.harness import Check, Context, Result, _with_threads, against_local, main
+from benchmarks.harness import (
+    Check,
+    Context,
+    Result,
+    _with_threads,
+    against_local,
+    interleaved,
+    main,
+    summary,
+)
 from benchmarks.transport_floor import measure_floor
 
 
-def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: float) -> Result:
+def generation_latency(
+    ctx: Context, item: str, model: str, servers: int, goal: float, threads: int | None = None
+) -> Result:
     new_tokens, repeats = ctx.pick((64, 5), (4, 1))
     local = ctx.local_model(model)
-    remote = ctx.swarm(model, servers).client()
+    remote = ctx.swarm(model, servers, threads).client()
     vocab_size = local.config.vocab_size
     prompt = torch.randint(3, vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     options = dict(
@@ -44,26 +59,38 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
             output = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
         assert output.shape[1] == prompt.shape[1] + new_tokens
 
-    samples = against_local(lambda: generate(local), lambda: generate(remote), repeats)
+    if threads is None:
+        samples = against_local(lambda: generate(local), lambda: generate(remote), repeats)
+    else:
+        runs = {"local": lambda: generate(local), "swarm": lambda: generate(remote)}
+        timed = interleaved({name: _with_threads(run, threads) for name, run in runs.items()}, repeats)
+        samples = {name: summary(values) for name, values in timed.items()}
+        samples["swarm"]["threads"] = threads
     per_token = {
         name: {key: value / new_tokens for key, value in result.items() if key in ("best", "median")}
         for name, result in samples.items()
     }
     client_threads = samples["swarm"]["threads"]
+    thread_note = (
+        f"the client at {client_threads} torch threads, the better"
+        if threads is None
+        else f"local, client and servers at {threads} torch thread(s)"
+    )
     ratio = per_token["swarm"]["best"] / per_token["local"]["best"]
     overhead = per_token["swarm"]["best"] - per_token["local"]["best"]
     round_trip = measure_floor(ctx)["stream"]["median"]
     breakdown = traced_decode_step(_with_threads(lambda: generate(remote), client_threads))
     notes = [
         f"per token: local {per_token['local']['best'] * 1e3:.2f} ms, swarm {per_token['swarm']['best'] * 1e3:.2f} ms "
-        f"(best of {repeats}; the client at {client_threads} torch threads, the better); overhead {overhead * 1e3:.2f} ms = {overhead / (servers * round_trip):.1f}x "
+        f"(best of {repeats}; {thread_note}); overhead {overhead * 1e3:.2f} ms = {overhead / (servers * round_trip):.1f}x "
         f"the transport floor ({servers} servers x {round_trip * 1e3:.3f} ms stream round trip)",
         "traced decode step (mean ms, measured in the client and server processes):",
         *describe_breakdown(breakdown),
     ]
     return Result(
         item=item,
-        title=f"per-token generation latency, {servers} servers ({model})",
+        title=f"per-token generation latency, {servers} servers ({model})"
+        + ("" if threads is None else f", {threads} torch thread(s) everywhere"),
         ratio=ratio,
         baseline="transformers generate, same model, same process",
         checks=[Check("swarm / local seconds per token", ratio, goal, "<=")],
@@ -81,6 +108,7 @@ def generation_latency(ctx: Context, item: str, model: str, servers: int, goal: 
             "prompt_tokens": prompt.shape[1],
             "new_tokens": new_tokens,
             "repeats": repeats,
+            "torch_threads": threads or "local: the better of 1 and all; servers: all",
         },
         notes=notes,
     )
@@ -120,6 +148,13 @@ BENCHMARKS = {
         generation_latency, item="a", model="tiny-llama", servers=2, goal=1.3
     ),
     "latency_smollm2": functools.partial(generation_latency, item="b", model="smollm2", servers=3, goal=1.2),
+    # one torch thread everywhere; the floors: tiny Llama about 1.15x (2 hops of 0.46 ms on about 6 ms of compute)
+    "latency_tiny_llama_1t": functools.partial(
+        generation_latency, item="a", model="tiny-llama", servers=2, goal=1.25, threads=1
+    ),
+    "latency_smollm2_1t": functools.partial(
+        generation_latency, item="b", model="smollm2", servers=3, goal=1.08, threads=1
+    ),
 }
 
 if __name__ == "__main__":

@@ -175,6 +175,11 @@ class Swarm:
         self.clients.clear()
 
 
+def server_env(threads: int | None) -> dict[str, str]:
+    """The servers' environment: tracing on request, and ``threads`` torch threads if given."""
+    return TRACING_SERVERS if threads is None else {**TRACING_SERVERS, "OMP_NUM_THREADS": str(threads)}
+
+
 def block_ranges(num_blocks: int, servers: int) -> list[str]:
     """``"start:end"`` for each of ``servers`` servers splitting ``num_blocks`` blocks evenly."""
     bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
@@ -189,7 +194,7 @@ class Context:
         self.workdir = workdir
         self._paths: dict[str, Path] = {}
         self._local: dict[str, torch.nn.Module] = {}
-        self._swarm: tuple[tuple[str, int], Swarm, contextlib.ExitStack] | None = None
+        self._swarm: tuple[tuple[str, int, int | None], Swarm, contextlib.ExitStack] | None = None
         self.shared: dict[str, Any] = {}  # measurements later benchmarks of the run reuse (transport floor)
 
     def pick(self, full: Any, quick: Any) -> Any:
@@ -222,16 +227,17 @@ class Context:
             self._local[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return self._local[path]
 
-    def swarm(self, name: str, servers: int) -> Swarm:
+    def swarm(self, name: str, servers: int, threads: int | None = None) -> Swarm:
         """``servers`` float32 servers splitting the model's blocks evenly, on their own DHT.
 
+        ``threads``: each server's torch threads (``OMP_NUM_THREADS``), else torch's default.
         The swarm stays up for the next benchmark asking for the same one; any other is stopped first.
-        With ``--quick``, every swarm is one server (so all benchmarks share it).
+        With ``--quick``, every swarm is one server at torch's default threads (so all benchmarks share it).
         """
         from petals.testing.swarm import running_swarm
 
-        servers = self.pick(servers, 1)
-        key = (str(self.model_path(name)), servers)
+        servers, threads = self.pick(servers, 1), self.pick(threads, None)
+        key = (str(self.model_path(name)), servers, threads)
         if self._swarm is not None and self._swarm[0] == key:
             return self._swarm[1]
         self.close_swarm()
@@ -239,7 +245,7 @@ class Context:
         ranges = block_ranges(self.num_blocks(name), servers)
         stack = contextlib.ExitStack()
         dht, processes = stack.enter_context(
-            running_swarm(path, *ranges, server_args=SERVER_ARGS, env=TRACING_SERVERS)
+            running_swarm(path, *ranges, server_args=SERVER_ARGS, env=server_env(threads))
         )
         swarm = Swarm(path, dht.initial_peers, processes)
         stack.callback(swarm.close_clients)

@@ -4,9 +4,12 @@
 
 One server hosts all 30 blocks of SmolLM2-135M-Instruct in float32. After a client has generated
 through it, the server's process tree (python + p2pd) is counted and its PSS summed
-(``psutil.Process.memory_full_info().pss``: shared pages split fairly between processes). The
-weights are the bytes of the hosted blocks' tensors in the checkpoint (embeddings and LM head stay
-with the clients). Ratio = PSS / weights; goals: at most 3 processes, PSS <= weights + 250 MiB.
+(``psutil.Process.memory_full_info().pss``: shared pages split fairly between processes), except
+that pages mapped from the checkpoint's files count whole (their RSS): other processes mapping the
+same file (a client, another server, a local model) would otherwise take a share of the weights'
+pages and make the overhead look smaller than it is. The weights are the bytes of the hosted
+blocks' tensors in the checkpoint (embeddings and LM head stay with the clients). Ratio = memory /
+weights; goals: at most 3 processes, memory <= weights + 250 MiB.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ def block_weight_bytes(model_path: Path, block_prefix: str) -> int:
     return total
 
 
+def memory_bytes(process: psutil.Process, whole_files: set[str]) -> int:
+    """PSS of ``process``, but mappings of ``whole_files`` counted with their RSS (not shared out)."""
+    maps = process.memory_maps(grouped=True)
+    pss = sum(mapping.pss for mapping in maps)
+    return pss + sum(mapping.rss - mapping.pss for mapping in maps if mapping.path in whole_files)
+
+
 def server_memory(ctx: Context) -> Result:
     from petals import AutoDistributedConfig
 
@@ -52,7 +62,8 @@ def server_memory(ctx: Context) -> Result:
 
     server = psutil.Process(swarm.servers[0].pid)
     processes = [server, *server.children(recursive=True)]
-    pss = {f"{process.name()} ({process.pid})": process.memory_full_info().pss for process in processes}
+    checkpoint = {str(file.resolve()) for file in Path(swarm.model_path).glob("*.safetensors")}
+    pss = {f"{process.name()} ({process.pid})": memory_bytes(process, checkpoint) for process in processes}
     total_pss = sum(pss.values())
     config = AutoDistributedConfig.from_pretrained(swarm.model_path)
     weights = block_weight_bytes(swarm.model_path, config.block_prefix)

@@ -9,7 +9,9 @@ from benchmarks import (
     server_memory,
     server_start,
     speculative,
+    swarm_scale,
     transport_floor,
+    tune,
     wan_latency,
 )
 
@@ -19,10 +21,14 @@ SUITE = {
     "latency_tiny_llama": generation_latency.BENCHMARKS["latency_tiny_llama"],
     **private_swarm.BENCHMARKS,  # on latency_tiny_llama's swarm (its public one)
     **concurrent_sessions.BENCHMARKS,
+    "latency_tiny_llama_1t": generation_latency.BENCHMARKS["latency_tiny_llama_1t"],  # a swarm at one thread
     "latency_smollm2": generation_latency.BENCHMARKS["latency_smollm2"],
     **api_overhead.BENCHMARKS,  # on latency_smollm2's swarm
     **forward_throughput.BENCHMARKS,
+    **tune.BENCHMARKS,  # on forward_throughput's swarm
+    "latency_smollm2_1t": generation_latency.BENCHMARKS["latency_smollm2_1t"],
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,
     **speculative.BENCHMARKS,
+    **swarm_scale.BENCHMARKS,  # no swarm: a simulation
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -193,4 +193,47 @@ def offline_hf_cache(tmp_path, monkeypatch):
 
 
 # ---- a real local swarm for client tests: see petals.testing.swarm ----------------------------
-from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm  # noqa: E402, F401
+from petals.server.server import READY_MESSAGE  # noqa: E402
+from petals.testing.swarm import (  # noqa: E402, F401
+    LOOPBACK_CLIENT,
+    InProcessDht,
+    InProcessServer,
+    ServerProcess,
+    inprocess_swarm,
+    running_swarm,
+    start_server,
+)
+
+
+@contextmanager
+def swarm_with_processes(
+    model_path: Path, *block_ranges: str, processes: int, server_args: tuple[str, ...] = ()
+) -> Iterator[tuple[InProcessDht, list[InProcessServer | ServerProcess]]]:
+    """``running_swarm``'s swarm, but only the last ``processes`` servers are ``petals serve`` processes
+    (those a test signals or kills); the bootstrap peer and the others run in this process."""
+    with ExitStack() as stack:
+        dht = stack.enter_context(InProcessDht().start())
+        cut = len(block_ranges) - processes
+        servers: list[InProcessServer | ServerProcess] = []
+        for index, blocks in enumerate(block_ranges):
+            args = ("--block_indices", blocks, "--torch_dtype", "float32", *server_args)
+            if index < cut:
+                server = InProcessServer(model_path, dht.initial_peers, *args).start(wait=False)
+            else:
+                server = start_server(model_path, dht.initial_peers, *args, wait_ready=False, timeout=180)
+            servers.append(stack.enter_context(server))
+        for server in servers:
+            if isinstance(server, ServerProcess):
+                server.wait_for_log(READY_MESSAGE, timeout=180)
+            else:
+                server.wait_ready()
+        yield dht, servers
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_swarm(tiny_model_path) -> Iterator[tuple[Path, list[str]]]:
+    """(model path, initial peers) of one in-process swarm of tiny Llama, blocks 0:2 and 2:4, shared by
+    every test that only reads from it (no server options, no faults)."""
+    path = tiny_model_path("llama")
+    with inprocess_swarm(path, "0:2", "2:4") as (dht, _):
+        yield path, dht.initial_peers

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.api.text import StreamingText
 from petals.demo_model import prepare_demo_model
 from petals.testing.swarm import SwarmProcess, start_api
@@ -60,7 +60,7 @@ def model_path(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def swarm(model_path):
-    with running_swarm(model_path, "0:2", "2:4") as (dht, servers):
+    with inprocess_swarm(model_path, "0:2", "2:4") as (dht, servers):
         yield dht, servers
 
 

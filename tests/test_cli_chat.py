@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from petals.cli.chat import PROMPT
 from petals.demo_model import prepare_demo_model
-from petals.testing.swarm import running_swarm
+from petals.testing.swarm import inprocess_swarm
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ FOLLOW_UP = "And which river flows through it?"
 @pytest.fixture(scope="module")
 def smol_swarm():
     path = prepare_demo_model()
-    with running_swarm(path, "0:18", "18:30") as (dht, _):
+    with inprocess_swarm(path, "0:18", "18:30") as (dht, _):
         yield path, dht.initial_peers[0]
 
 

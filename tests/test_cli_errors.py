@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from petals.testing.swarm import start_dht
+from petals.testing.swarm import InProcessDht
 
 UNUSED_PEER_ID = "QmS9KwZptnVdB9FFV7uGgaTq4sEKBwcYeKZDfSpyKDUd1g"
 
@@ -56,7 +56,7 @@ def closed_peer():
 @pytest.fixture(scope="module")
 def empty_swarm():
     """A bootstrap peer with no servers."""
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         yield dht.initial_peers[0]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.client.routing import MissingBlocksError
 from petals.network.client import SwarmUnreachableError
 from petals.plugins import UnknownModelTypeError
@@ -20,7 +20,7 @@ from petals.plugins import UnknownModelTypeError
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
     path = tiny_model_path("llama")
-    with running_swarm(path, "0:4", server_args=("--inference_max_length", "64")) as (dht, _):
+    with inprocess_swarm(path, "0:4", server_args=("--inference_max_length", "64")) as (dht, _):
         yield path, dht.initial_peers
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, swarm_with_processes
 from petals.server.server import READY_MESSAGE
 from petals.testing.swarm import start_server
 
@@ -41,7 +41,8 @@ def test_greedy_generation_survives_a_killed_server(tiny_model_path):
     expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
     server_args = ("--update_period", "3")  # a killed server's records expire within seconds
 
-    with running_swarm(path, "0:2", "2:4", "2:4", server_args=server_args) as (dht, servers):
+    swarm = swarm_with_processes(path, "0:2", "2:4", "2:4", processes=2, server_args=server_args)
+    with swarm as (dht, servers):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
         )
@@ -88,7 +89,9 @@ def test_deep_prompts_are_replayed_to_the_replacement(tiny_model_path):
         return_dict_in_generate=True,
     )
 
-    with running_swarm(path, "0:2", "2:4", "2:4", server_args=("--update_period", "3")) as (dht, servers):
+    server_args = ("--update_period", "3")
+    swarm = swarm_with_processes(path, "0:2", "2:4", "2:4", processes=2, server_args=server_args)
+    with swarm as (dht, servers):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path,
             initial_peers=dht.initial_peers,

@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, running_swarm, swarm_with_processes
 from petals.client.measurements import ServerMeasurements
 from petals.client.routing import RequestRefused
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
@@ -69,7 +69,7 @@ def test_a_hung_or_half_dead_server_is_routed_around_quickly(tiny_model_path, fa
     ids = prompt()
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = local.generate(ids, **GREEDY)
-    with running_swarm(path, "0:2", "2:4", "2:4") as (dht, servers):
+    with swarm_with_processes(path, "0:2", "2:4", "2:4", processes=2) as (dht, servers):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

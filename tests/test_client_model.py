@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 
 FAMILIES = ["llama", "bloom", "falcon-new", "mixtral"]
 
@@ -16,7 +16,7 @@ FAMILIES = ["llama", "bloom", "falcon-new", "mixtral"]
 def models(request, tiny_model_path):
     """(distributed model over a two-server swarm, local transformers model) of one family."""
     path = tiny_model_path(request.param)
-    with running_swarm(path, "0:2", "2:4") as (dht, _):
+    with inprocess_swarm(path, "0:2", "2:4") as (dht, _):
         remote = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

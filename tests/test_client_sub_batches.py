@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.client.sequential_autograd import MAX_TOKENS_IN_BATCH
 
 BATCH, LENGTH = 40, 32  # 1280 tokens: more than the server takes in one request
@@ -17,7 +17,7 @@ BATCH, LENGTH = 40, 32  # 1280 tokens: more than the server takes in one request
 def swarm(tiny_model_path):
     path = tiny_model_path("llama")
     server_args = ("--max_batch_size", str(MAX_TOKENS_IN_BATCH))
-    with running_swarm(path, "0:4", server_args=server_args) as (dht, _):
+    with inprocess_swarm(path, "0:4", server_args=server_args) as (dht, _):
         yield path, dht.initial_peers
 
 

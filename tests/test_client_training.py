@@ -7,14 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT
 
 
-@pytest.fixture(scope="module")
-def swarm(tiny_model_path):
-    path = tiny_model_path("llama")
-    with running_swarm(path, "0:2", "2:4") as (dht, _):
-        yield path, dht.initial_peers
+@pytest.fixture
+def swarm(tiny_llama_swarm):
+    return tiny_llama_swarm
 
 
 def load(auto_class, swarm, **overrides):

@@ -14,7 +14,7 @@ import torch
 
 import petals
 from petals.testing.delay_proxy import DelayProxy, start_server_behind_proxy
-from petals.testing.swarm import LOOPBACK_CLIENT, start_dht
+from petals.testing.swarm import LOOPBACK_CLIENT, InProcessDht
 
 DELAY_MS = 30.0
 
@@ -57,6 +57,33 @@ def test_bytes_pass_through_unchanged_in_order(echo_port):
     assert proxy.bytes_forwarded == 2 * len(payload)
 
 
+def test_the_proxy_records_each_chunk_and_how_late_it_was_written(echo_port):
+    with (
+        DelayProxy(echo_port, delay_ms=DELAY_MS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as sock,
+    ):
+        sock.sendall(b"before")
+        receive_exactly(sock, 6)
+        proxy.events = events = []
+        for message in (b"one", b"three"):
+            sock.sendall(message)
+            assert receive_exactly(sock, len(message)) == message
+        proxy.events = None
+        sock.sendall(b"after")
+        receive_exactly(sock, 5)
+    assert [(event.direction, event.size) for event in events] == [
+        ("to server", 3),
+        ("from server", 3),
+        ("to server", 5),
+        ("from server", 5),
+    ]
+    for event in events:
+        assert event.due == pytest.approx(event.arrived + DELAY_MS / 1000)
+        assert event.sent >= event.due
+    assert proxy.chunks_sent == 8
+    assert proxy.late_seconds >= sum(event.sent - event.due for event in events)
+
+
 def test_a_round_trip_takes_twice_the_delay_and_delays_do_not_add_up(echo_port):
     with (
         DelayProxy(echo_port, delay_ms=DELAY_MS) as proxy,
@@ -96,7 +123,7 @@ def test_closing_the_proxy_closes_open_connections(echo_port):
 def test_a_server_behind_the_proxy_is_reached_through_it(tiny_model_path):
     path = tiny_model_path("llama")
     with (
-        start_dht() as dht,
+        InProcessDht().start() as dht,
         start_server_behind_proxy(
             path, dht.initial_peers, "--block_indices", "0:4", "--torch_dtype", "float32", delay_ms=5
         ) as (server, proxy),

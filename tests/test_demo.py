@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.cli.generate import encode
 from petals.demo_model import prepare_demo_model
 from petals.testing.swarm import SwarmProcess
@@ -64,7 +64,7 @@ def test_greedy_tokens_through_the_swarm_equal_local_generation(demo_cache):
     inputs = encode(tokenizer, "Name three colours of the rainbow.", chat=True)
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = local.generate(**inputs, max_new_tokens=24, do_sample=False)
-    with running_swarm(path, "0:10", "10:20", "20:30") as (dht, _):
+    with inprocess_swarm(path, "0:10", "10:20", "20:30") as (dht, _):
         remote = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

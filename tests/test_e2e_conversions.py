@@ -35,7 +35,7 @@ from petals.data_structures import make_uids
 from petals.loading import load_block
 from petals.server.backend import BlockBackend
 from petals.server.server import READY_MESSAGE
-from petals.testing.swarm import ServerProcess, start_dht, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer, ServerProcess, start_server
 from petals.testing.wire_client import WireClient, make_request
 
 MAX_LOGITS_ERROR = {"int8": 0.1, "nf4": 0.3}
@@ -75,9 +75,17 @@ def save_adapters(model_path, directory) -> dict[str, str]:
 @dataclass
 class Swarm:
     initial_peers: list[str]
-    servers: dict[str, ServerProcess]  # by dht_prefix
+    servers: dict[str, ServerProcess | InProcessServer]  # by dht_prefix
     paths: dict[str, Path]  # each server's model, by dht_prefix
     adapters: dict[str, str]  # adapter directory (the name clients ask for), by short name
+
+
+def start(name: str, path: Path, initial_peers: list[str], *args: str) -> ServerProcess | InProcessServer:
+    """Servers whose log a test reads are ``petals serve`` processes; the sharded ones run in this process.
+    Neither waits until it is ready."""
+    if name.startswith("tp-"):
+        return InProcessServer(path, initial_peers, *args, *SERVER_ARGS).start(wait=False)
+    return start_server(path, initial_peers, *args, *SERVER_ARGS, wait_ready=False, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +102,17 @@ def swarm(tiny_model_path, tmp_path_factory) -> Swarm:
     }
     launches[ADAPTED_PREFIX] = (tiny_model_path("llama"), "--adapters", *adapters.values())  # no --num_blocks
     with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
+        dht = stack.enter_context(InProcessDht().start())
+        in_process_first = sorted(launches.items(), key=lambda launch: not launch[0].startswith("tp-"))
         servers = {
-            name: stack.enter_context(
-                start_server(
-                    path,
-                    dht.initial_peers,
-                    "--dht_prefix",
-                    name,
-                    *args,
-                    *SERVER_ARGS,
-                    wait_ready=False,
-                    timeout=240,
-                )
-            )
-            for name, (path, *args) in launches.items()
+            name: stack.enter_context(start(name, path, dht.initial_peers, "--dht_prefix", name, *args))
+            for name, (path, *args) in in_process_first
         }
         for server in servers.values():
-            server.wait_for_log(READY_MESSAGE, timeout=240)
+            if isinstance(server, InProcessServer):
+                server.wait_ready(timeout=240)
+            else:
+                server.wait_for_log(READY_MESSAGE, timeout=240)
         paths = {name: path for name, (path, *_) in launches.items()}
         yield Swarm(dht.initial_peers, servers, paths, adapters)
 

@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, swarm_with_processes
 from petals.server.server import READY_MESSAGE
 from petals.testing.delay_proxy import DelayProxy, free_local_port
 from petals.testing.inprocess import InProcessDht, InProcessServer
@@ -117,7 +117,8 @@ def test_both_servers_of_a_range_hung_and_a_fresh_one_joining(tiny_model_path):
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(11))
     greedy = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **greedy)
-    with running_swarm(path, "0:2", "2:4", "2:4") as (dht, servers), contextlib.ExitStack() as stack:
+    swarm = swarm_with_processes(path, "0:2", "2:4", "2:4", processes=2)  # those of 2:4 hang
+    with swarm as (dht, servers), contextlib.ExitStack() as stack:
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, update_period=600, **LOOPBACK_CLIENT
         )

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import petals
 from petals.cli.health import CLEAR_SCREEN
-from petals.testing.swarm import SwarmProcess, start_dht, start_monitor, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer, SwarmProcess, start_monitor, start_server
 from petals.testing.wire_client import WireClient
 
 pytestmark = pytest.mark.slow
@@ -139,21 +139,24 @@ def swarm(tiny_model_path):
     llama, bloom = tiny_model_path("llama"), tiny_model_path("bloom")
     metrics_port = free_port()
     with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
+        dht = stack.enter_context(InProcessDht().start())
         peers = dht.initial_peers
         common = ("--torch_dtype", "float32", "--throughput", "10", "--update_period", "5")
-        servers = [
+        others = [  # these run in this process, loading while alice starts
             stack.enter_context(
-                start_server(model, peers, "--block_indices", blocks, *common, *extra, wait_ready=False)
+                InProcessServer(model, peers, "--block_indices", blocks, *common).start(wait=False)
             )
-            for model, blocks, extra in (
-                (llama, "0:2", ("--metrics_port", str(metrics_port), "--public_name", "alice")),
-                (llama, "2:4", ()),
-                (bloom, "0:2", ()),
-            )
+            for model, blocks in ((llama, "2:4"), (bloom, "0:2"))
         ]
-        for server in servers:
-            server.wait_for_log("Server is ONLINE", timeout=120)
+        # alice serves --metrics_port, which only `petals serve` does: a process
+        alice_args = ("--metrics_port", str(metrics_port), "--public_name", "alice")
+        alice = stack.enter_context(
+            start_server(llama, peers, "--block_indices", "0:2", *common, *alice_args, wait_ready=False)
+        )
+        alice.wait_for_log("Server is ONLINE", timeout=120)
+        for server in others:
+            server.wait_ready(timeout=120)
+        servers = [alice, *others]
         monitor = stack.enter_context(start_monitor(peers, "--update_period", str(UPDATE_PERIOD)))
         yield {
             "peers": peers,
@@ -327,7 +330,8 @@ def test_a_server_joining_and_leaving_shows_in_cli_json_and_metrics(swarm):
             return len("".join(watcher.stdout_lines).split(CLEAR_SCREEN)) - 1
 
         watcher.wait_for(frames_so_far, 60, "a first frame")
-        joining = start_server(swarm["bloom"], swarm["peers"], "--block_indices", "2:4", *swarm["common"])
+        joining = InProcessServer(swarm["bloom"], swarm["peers"], "--block_indices", "2:4", *swarm["common"])
+        joining.start()
         try:
             short = joining.peer_id[-6:]
             online_at, seen = time.time(), frames_so_far()

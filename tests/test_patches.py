@@ -8,6 +8,8 @@ import ast
 import asyncio
 import importlib.metadata
 import logging
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -67,6 +69,59 @@ def test_patches_are_applied_once():
     assert MSGPackSerializer.loads is loads
     with pytest.raises(MsgpackLimitError):  # checked before the C decoder would overflow its stack
         MSGPackSerializer.loads(nested_tuples(200))
+
+
+# ---- import patches ------------------------------------------------------------------------------
+
+HIVEMIND_IMPORTS = """
+import sys
+{before}
+import hivemind.dht, hivemind.p2p
+unused = sorted(name for name in ("hivemind.averaging", "hivemind.moe", "hivemind.optim") if name in sys.modules)
+import hivemind
+from hivemind import DHT, Optimizer
+print(unused, hivemind.__version__, DHT.__module__, Optimizer.__module__, sorted(getattr(hivemind, "__all__", [])) == sorted(
+    ["DecentralizedAverager", "DHT", "ModuleBackend", "RemoteExpert", "RemoteMixtureOfExperts",
+     "RemoteSwitchMixtureOfExperts", "Server", "register_expert_class", "GradScaler", "Optimizer",
+     "TrainingAverager"]))
+try:
+    hivemind.NoSuchName
+except AttributeError as error:
+    print(error)
+"""
+
+
+def run_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
+def test_after_import_petals_hivemind_imports_only_the_subpackages_used_and_its_names_on_access():
+    version = importlib.metadata.version("hivemind")
+    lines = run_python(HIVEMIND_IMPORTS.format(before="import petals")).splitlines()
+    assert lines == [
+        f"[] {version} hivemind.dht.dht hivemind.optim.optimizer True",
+        "module 'hivemind' has no attribute 'NoSuchName'",
+    ]
+    # without petals, hivemind's own __init__ imports every subpackage
+    lines = run_python(HIVEMIND_IMPORTS.format(before="")).splitlines()
+    assert lines[0].startswith("['hivemind.averaging', 'hivemind.moe', 'hivemind.optim']")
+
+
+def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
+    code = HIVEMIND_IMPORTS.format(
+        before="from petals import patches\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_ImportPatchFinder']\n"
+        "untested = patches.Patch('hivemind:__init__', 'hivemind', ('0.0.1',), 'a test')\n"
+        "patches.install_import_patches([patches.ImportPatch('hivemind', untested, patches.LAZY_HIVEMIND.exec_module)])"
+    )
+    assert run_python(code).startswith("['hivemind.averaging', 'hivemind.moe', 'hivemind.optim']")
+
+
+def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_for():
+    assert [patch.module for patch in patches.IMPORT_PATCHES] == ["hivemind"]
+    for import_patch in patches.IMPORT_PATCHES:
+        assert import_patch.patch.reason
+        import_patch.patch.check_version()
 
 
 # ---- nothing else assigns into a third-party module or class -----------------------------------

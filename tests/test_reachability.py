@@ -1,7 +1,8 @@
 """Whether a peer can be reached directly is asked of another peer, which dials back on a new connection.
 
 Servers ask only when they have a non-loopback address; on 127.0.0.1 (every test swarm) the
-question is shown through ``check_direct_reachability`` itself, asking a real ``petals dht``.
+question is shown through ``check_direct_reachability`` itself, asking a real bootstrap peer (what
+``petals dht`` runs, here in the test process).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from petals.reachability import check_direct_reachability
-from petals.testing.swarm import LOOPBACK_CLIENT, start_dht, start_server
+from petals.testing.swarm import LOOPBACK_CLIENT, InProcessDht, start_server
 from petals.testing.wire_client import WireClient
 
 ARGS = (
@@ -37,7 +38,10 @@ def announced_info(client: WireClient, key: str, peer_id: str) -> dict:
 
 def test_a_loopback_server_asks_nobody_and_announces_no_relay(tiny_model_path):
     """On 127.0.0.1 only this machine can connect, so there is nothing to ask another peer."""
-    with start_dht() as dht, start_server(tiny_model_path("llama"), dht.initial_peers, *ARGS) as server:
+    with (
+        InProcessDht().start() as dht,
+        start_server(tiny_model_path("llama"), dht.initial_peers, *ARGS) as server,
+    ):
         time.sleep(2.5)  # one update period after ONLINE
         client = WireClient(dht.initial_peers)
         try:
@@ -59,6 +63,6 @@ def test_a_peer_that_does_not_listen_is_not_reachable_directly():
         finally:
             await peer.shutdown()
 
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         assert asyncio.run(ask(dht.initial_peers, no_listen=True)) is False
         assert asyncio.run(ask(dht.initial_peers, no_listen=False)) is True

@@ -11,7 +11,7 @@ import torch
 from hivemind.p2p import PeerID
 
 import petals
-from conftest import LOOPBACK_CLIENT, running_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import expiration_from_now
 from petals.testing.wire_client import WireClient
@@ -52,7 +52,7 @@ def first_token(path, initial_peers) -> tuple[float, torch.Tensor]:
 
 def test_fake_server_records_delay_a_fresh_clients_first_token_by_at_most_5_s(tiny_model_path, caplog):
     path = tiny_model_path("llama")
-    with running_swarm(path, "0:4") as (dht, (server,)):
+    with inprocess_swarm(path, "0:4") as (dht, (server,)):
         baseline, expected = first_token(path, dht.initial_peers)
         spammer = WireClient(dht.initial_peers)
         try:

@@ -7,7 +7,7 @@ import re
 from petals.cli.original_options import NO_EFFECT
 from petals.cli.run_server import serve_command
 from petals.server.server import READY_MESSAGE
-from petals.testing.swarm import SwarmProcess, start_dht
+from petals.testing.swarm import InProcessDht, SwarmProcess
 
 # `python -m petals.cli.run_server --help` of Petals 2.2 (cli/run_server.py), plus the Server
 # keyword it passes through, --mean_block_selection_delay
@@ -36,7 +36,7 @@ def test_a_server_started_with_the_original_options_serves_and_says_what_has_no_
     no_effect_args = []
     for name in NO_EFFECT:
         no_effect_args += [f"--{name}", values.get(name, "1")]
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         args = [
             "petals.cli.run_server",
             "--converted_model_name_or_path",

@@ -15,7 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 import petals
 from petals.data_structures import make_uids
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer
 from petals.testing.wire_client import WireClient, make_request
 from petals.wire import serialize_tensor
 
@@ -35,8 +35,8 @@ LIMITS = (
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
-    with start_dht() as dht:
-        with start_server(
+    with InProcessDht().start() as dht:
+        with InProcessServer(
             tiny_model_path("llama"),
             dht.initial_peers,
             "--block_indices",
@@ -44,7 +44,7 @@ def swarm(tiny_model_path):
             "--throughput",
             "1",
             *LIMITS,
-        ) as server:
+        ).start() as server:
             client = WireClient(dht.initial_peers)
             client.server = server.peer_id
             client.initial_peers = dht.initial_peers

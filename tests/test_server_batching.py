@@ -14,7 +14,7 @@ import pytest
 import torch
 from hivemind.p2p import P2PHandlerError
 
-from conftest import running_swarm
+from conftest import inprocess_swarm
 from petals.data_structures import make_uids
 from petals.testing.wire_client import WireClient
 
@@ -25,7 +25,7 @@ HIDDEN, PAGE_TOKENS, PAGES = 64, 16, 10
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
     budget = ("--attn_cache_tokens", str(PAGE_TOKENS * PAGES))
-    with running_swarm(tiny_model_path("llama"), "0:4", server_args=budget) as (dht, (server,)):
+    with inprocess_swarm(tiny_model_path("llama"), "0:4", server_args=budget) as (dht, (server,)):
         client = WireClient(dht.initial_peers)
         client.server = server.peer_id
         yield client

@@ -7,7 +7,7 @@ from hivemind.p2p import PeerID
 
 from petals.data_structures import RemoteModuleInfo, ServerInfo, ServerState, make_uids
 from petals.server.block_selection import choose_best_blocks, choose_best_start, choose_new_blocks
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer
 from petals.testing.wire_client import WireClient
 
 PREFIX = "selection"
@@ -62,7 +62,7 @@ def test_leaving_a_block_uncovered_is_not_a_move():
 
 @pytest.fixture(scope="module")
 def dht():
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         yield dht
 
 
@@ -72,11 +72,8 @@ def test_servers_spread_over_the_model(dht, tiny_model_path):
     servers = []
     try:
         for num_blocks, throughput in [("2", "2.0"), ("2", "1.0"), ("1", "1.0")]:
-            servers.append(
-                start_server(
-                    model, dht.initial_peers, "--num_blocks", num_blocks, "--throughput", throughput, *common
-                )
-            )
+            args = ("--num_blocks", num_blocks, "--throughput", throughput, *common)
+            servers.append(InProcessServer(model, dht.initial_peers, *args).start())  # each sees the last
         client = WireClient(dht.initial_peers)
         try:
             infos = client.module_infos(make_uids(PREFIX, 0, 4))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from petals.data_structures import ServerState
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, start_server
 from petals.testing.wire_client import WireClient
 
 SERVER_ARGS = ("--throughput", "1.0", "--update_period", "2")
@@ -19,7 +19,7 @@ def test_server_goes_joining_online_offline(tiny_model_path, signum):
     """Poll the DHT while a server starts and stops: it must pass through every state."""
     model_path = tiny_model_path("llama")
     prefix = "statewatch"
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         client = WireClient(dht.initial_peers)
         try:
             server = start_server(

@@ -14,7 +14,7 @@ from hivemind.proto import runtime_pb2
 
 from petals.data_structures import make_uids
 from petals.server.validation import max_request_bytes
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, start_server
 from petals.testing.wire_client import WireClient, make_request
 from petals.wire import request_parts, write_metadata
 
@@ -25,7 +25,7 @@ HUGE_TOKENS = 400_000  # x 64 hidden x 4 bytes: a 102 MB request
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
-    with start_dht() as dht:
+    with InProcessDht().start() as dht:
         with start_server(
             tiny_model_path("llama"),
             dht.initial_peers,

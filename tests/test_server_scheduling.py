@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import running_swarm
+from conftest import inprocess_swarm
 from petals.testing.wire_client import WireClient
 
 HIDDEN, BLOCKS, PREFILL_TOKENS = 256, 4, 2000
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("wide") / "wide-llama"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    with running_swarm(path, f"0:{BLOCKS}") as (dht, (server,)):
+    with inprocess_swarm(path, f"0:{BLOCKS}") as (dht, (server,)):
         client = WireClient(dht.initial_peers)
         yield client, server.peer_id, [f"wide-llama-hf.{index}" for index in range(BLOCKS)]
         client.close()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from petals.data_structures import ServerState
-from petals.testing.swarm import SwarmProcess, start_dht, start_server
+from petals.testing.swarm import InProcessDht, SwarmProcess, start_dht, start_server
 from petals.testing.wire_client import WireClient
 
 EXIT_SECONDS = 5
@@ -39,7 +39,7 @@ def swarm(tiny_model_path):
     """A DHT, a client peer, and one ONLINE server (own process group) per test that stops one."""
     model = tiny_model_path("llama")
     with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
+        dht = stack.enter_context(InProcessDht().start())
         client = WireClient(dht.initial_peers)
         stack.callback(client.close)
         servers = {

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.loading import load_block
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer
 from petals.testing.wire_client import WireClient
 
 SERVER_ARGS = ("--throughput", "1.0", "--update_period", "2")
@@ -34,15 +34,21 @@ INFO_FIELDS = {
 class Swarm:
     def __init__(self, model_path, prefix: str) -> None:
         self.model_path, self.prefix = model_path, prefix
-        self.dht = start_dht()
-        self.first = start_server(model_path, self.dht.initial_peers, "--block_indices", "0:2", *SERVER_ARGS)
-        self.second = start_server(model_path, self.dht.initial_peers, "--block_indices", "2:4", *SERVER_ARGS)
+        self.dht = InProcessDht().start()
+        self.first, self.second = (
+            InProcessServer(
+                model_path, self.dht.initial_peers, "--block_indices", blocks, *SERVER_ARGS
+            ).start(wait=False)
+            for blocks in ("0:2", "2:4")
+        )
+        for server in (self.first, self.second):  # they load in parallel
+            server.wait_ready()
         self.client = WireClient(self.dht.initial_peers)
 
     def close(self) -> None:
         self.client.close()
-        for process in (self.second, self.first, self.dht):
-            process.stop()
+        for peer in (self.second, self.first, self.dht):
+            peer.stop()
 
 
 @pytest.fixture(scope="module", params=["llama", "bloom"])

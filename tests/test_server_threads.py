@@ -12,7 +12,7 @@ import torch
 
 from petals.data_structures import make_uids
 from petals.server.scheduler import ThreadChoice
-from petals.testing.swarm import running_swarm
+from petals.testing.swarm import inprocess_swarm
 from petals.testing.wire_client import WireClient
 
 KIND = ("decode", 1)
@@ -68,7 +68,7 @@ def test_a_fixed_count_or_a_single_core_needs_no_learning(max_threads, fixed, ex
 @pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [(("--decode_threads", "1"), {1}), ((), {1, 2})])
 def test_a_server_reports_its_decode_threads(tiny_model_path, args, expected):
-    with running_swarm(tiny_model_path("llama"), "0:4", server_args=args) as (dht, (server,)):
+    with inprocess_swarm(tiny_model_path("llama"), "0:4", server_args=args) as (dht, (server,)):
         client = WireClient(dht.initial_peers)
         try:
             stream = client.inference(server.peer_id, make_uids("tiny-llama-hf", 0, 4), max_length=64)

@@ -22,36 +22,40 @@ from conftest import LOOPBACK_CLIENT
 from petals.cli.generate import PROMPT_LOOKUP_TOKENS, speculation_kwargs
 from petals.client.generation import StepStats
 from petals.server.server import READY_MESSAGE
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessDht, InProcessServer, start_server
 
 # one swarm for the module: llama over three servers (two hold blocks 2:4, so that one may die)
 SERVED = {"llama": ("0:2", "2:4", "2:4"), "bloom": ("0:4",), "falcon-new": ("0:4",), "mixtral": ("0:4",)}
 NEW_TOKENS = 12
 GREEDY = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+SERVER_ARGS = ("--torch_dtype", "float32", "--update_period", "3")
+
+
+def start(stack: contextlib.ExitStack, family: str, blocks: str, dht: InProcessDht, path):
+    """Llama's servers of blocks 2:4 are processes (a test kills one with SIGKILL), the others run in
+    this process; none waits until it is ready."""
+    args = ("--block_indices", blocks, *SERVER_ARGS)
+    if family == "llama" and blocks == "2:4":
+        return stack.enter_context(
+            start_server(path, dht.initial_peers, *args, wait_ready=False, timeout=180)
+        )
+    return stack.enter_context(InProcessServer(path, dht.initial_peers, *args).start(wait=False))
 
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
     """(DHT, {family: its servers}), all ONLINE; the servers start together and load in parallel."""
     with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
+        dht = stack.enter_context(InProcessDht().start())
         servers = {
-            family: [
-                stack.enter_context(
-                    start_server(
-                        tiny_model_path(family),
-                        dht.initial_peers,
-                        *("--block_indices", blocks, "--torch_dtype", "float32", "--update_period", "3"),
-                        wait_ready=False,
-                        timeout=180,
-                    )
-                )
-                for blocks in ranges
-            ]
+            family: [start(stack, family, blocks, dht, tiny_model_path(family)) for blocks in ranges]
             for family, ranges in SERVED.items()
         }
         for server in (server for family in servers.values() for server in family):
-            server.wait_for_log(READY_MESSAGE, timeout=180)
+            if isinstance(server, InProcessServer):
+                server.wait_ready(timeout=180)
+            else:
+                server.wait_for_log(READY_MESSAGE, timeout=180)
         yield dht, servers
 
 

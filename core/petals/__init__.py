@@ -6,6 +6,9 @@ import importlib
 from typing import Any
 
 from petals.hookspecs import hookimpl
+from petals.patches import install_import_patches
+
+install_import_patches()  # before anything imports hivemind or transformers' masks (petals.patches says why)
 
 __version__ = "0.1.0"
 

@@ -25,6 +25,7 @@ class ClientConfig:
     dht_prefix: str | None = None  # DHT key prefix; derived from the model name when None
     daemon_startup_timeout: float = 60
     show_route: str | bool = "inference"
+    routing: str = "ours"  # inference routing policy: ours or petals22 (petals.policies.routing)
     allowed_servers: Sequence[str] | None = None
     blocked_servers: Sequence[str] | None = None
     use_server_to_server: bool = True

@@ -20,22 +20,35 @@ peer: ``NetworkOptions.create_p2p``, which server start, ``petals dht``, the cli
 ``from_pretrained`` and ``petals.testing`` all go through (so ``petals --help`` still imports
 neither hivemind nor torch). Nothing else in petals assigns into a third-party module or class
 (``tests/test_patches.py`` checks it).
+
+One more changes only how a module is imported, so that a process imports what it uses:
+``hivemind``'s ``__init__`` is not run. It imports every subsystem (averaging, which imports scipy;
+moe; optim) to export eleven names, and petals uses none of them; they are imported on first
+access instead (``hivemind.DHT`` and ``from hivemind import DHT`` still work). ``import petals``
+installs it (``install_import_patches``: a finder ahead of Python's own that touches only the
+``hivemind`` package). An import patch that finds an untested version leaves the import alone: it
+only saves memory and time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import logging
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import asyncio
+
     from hivemind.p2p import P2P
 
 logger = logging.getLogger(__name__)
@@ -78,6 +91,8 @@ _p2pd_started: contextvars.ContextVar[list[asyncio.subprocess.Process] | None] =
 
 
 def _start_p2pd_apart() -> None:
+    import asyncio.subprocess
+
     original = asyncio.subprocess.create_subprocess_exec
 
     async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
@@ -192,3 +207,107 @@ class _BoundedReader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reader, name)
+
+
+# ---- import patches ------------------------------------------------------------------------------
+
+# hivemind/__init__.py of 1.1.12: each name it exports, and the module that defines it
+_HIVEMIND_EXPORTS = {
+    "DecentralizedAverager": "hivemind.averaging",
+    "DHT": "hivemind.dht",
+    "ModuleBackend": "hivemind.moe",
+    "RemoteExpert": "hivemind.moe",
+    "RemoteMixtureOfExperts": "hivemind.moe",
+    "RemoteSwitchMixtureOfExperts": "hivemind.moe",
+    "Server": "hivemind.moe",
+    "register_expert_class": "hivemind.moe",
+    "GradScaler": "hivemind.optim",
+    "Optimizer": "hivemind.optim",
+    "TrainingAverager": "hivemind.optim",
+}
+
+
+def _hivemind_exports_on_access(
+    module: types.ModuleType, exec_module: Callable[[types.ModuleType], None]
+) -> None:
+    def exported(name: str) -> Any:
+        if name not in _HIVEMIND_EXPORTS:
+            raise AttributeError(f"module 'hivemind' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HIVEMIND_EXPORTS[name]), name)
+        setattr(module, name, value)
+        return value
+
+    module.__version__ = importlib.metadata.version("hivemind")
+    module.__getattr__ = exported
+    module.__all__ = list(_HIVEMIND_EXPORTS)
+
+
+@dataclass(frozen=True)
+class ImportPatch:
+    module: str  # the module whose import it changes
+    patch: Patch
+    exec_module: Callable[
+        [types.ModuleType, Callable[[types.ModuleType], None]], None
+    ]  # runs instead of the loader's
+
+
+LAZY_HIVEMIND = ImportPatch(
+    "hivemind",
+    Patch(
+        "hivemind:__init__",
+        *HIVEMIND,
+        reason="its __init__ imports averaging (and scipy), moe and optim to export names petals does not use",
+    ),
+    _hivemind_exports_on_access,
+)
+IMPORT_PATCHES: tuple[ImportPatch, ...] = (LAZY_HIVEMIND,)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, patch: ImportPatch) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.patch.exec_module(module, self.loader.exec_module)
+
+
+class _ImportPatchFinder(importlib.abc.MetaPathFinder):
+    """Finds the patched modules through the finders after it, and wraps their loader."""
+
+    def __init__(self, patches: Sequence[ImportPatch]) -> None:
+        self.patches = {patch.module: patch for patch in patches}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not _is_tested(patch.patch):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+def _is_tested(patch: Patch) -> bool:
+    try:
+        patch.check_version()
+    except (UntestedVersionError, importlib.metadata.PackageNotFoundError) as error:
+        logger.debug("Importing %s unchanged: %s", patch.target, error)
+        return False
+    return True
+
+
+def install_import_patches(patches: Sequence[ImportPatch] = IMPORT_PATCHES) -> None:
+    """Put the finder of ``patches`` first in ``sys.meta_path`` (once); modules imported already stay as they are."""
+    if not any(isinstance(finder, _ImportPatchFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ImportPatchFinder(patches))

@@ -85,10 +85,14 @@ def _max_new_tokens(fields: dict[str, Any], used: int, service: ModelService) ->
     return max_new_tokens
 
 
-def _check_model(fields: dict[str, Any], service: ModelService) -> None:
+def _check_model(fields: dict[str, Any], service: ModelService) -> ModelService:
+    """The service of the requested ``model`` (the main one if none is named)."""
     model = fields.get("model")
-    if model is not None and model not in service.names:
-        raise ChatAPIError(f"model {model!r} is not served here; this server serves {service.model_id!r}")
+    served = service if model is None else service.for_model(str(model))
+    if served is None:
+        names = ", ".join(repr(each.model_id) for each in service.served)
+        raise ChatAPIError(f"model {model!r} is not served here; this server serves {names}")
+    return served
 
 
 def _error(error: BaseException) -> dict[str, Any]:
@@ -109,7 +113,7 @@ async def _request_fields(request: Request) -> dict[str, Any]:
 
 
 async def _generate_once(service: ModelService, fields: dict[str, Any]) -> str:
-    _check_model(fields, service)
+    service = _check_model(fields, service)
     inputs = fields.get("inputs")
     if not isinstance(inputs, str) or not inputs:
         raise ChatAPIError("pass the prompt as inputs")
@@ -201,18 +205,18 @@ async def _receive(websocket: WebSocket, timeout: float) -> dict[str, Any]:
     return message
 
 
-async def _requested_length(websocket: WebSocket, service: ModelService) -> int:
-    """The ``max_length`` of the first message, ``open_inference_session``, checked."""
+async def _opening(websocket: WebSocket, service: ModelService) -> tuple[ModelService, int]:
+    """The model and ``max_length`` of the first message, ``open_inference_session``, checked."""
     fields = await _receive(websocket, service.limits.session_timeout)
     if fields.get("type") != "open_inference_session":
         raise ChatAPIError("the first message must be of type 'open_inference_session'")
-    _check_model(fields, service)
+    service = _check_model(fields, service)
     max_length = _typed(fields, "max_length", int)
     if max_length is None or max_length < 1:
         raise ChatAPIError("open_inference_session needs max_length >= 1")
     if service.context_length is not None and max_length > service.context_length:
         raise ChatAPIError(f"max_length {max_length} exceeds the model's context of {service.context_length}")
-    return max_length
+    return service, max_length
 
 
 async def _stream_turn(websocket: WebSocket, turn: _Turn, events: Events) -> None:
@@ -233,7 +237,8 @@ async def _serve_websocket(websocket: WebSocket, service: ModelService) -> None:
     events: Events | None = None
     session: _ChatSession | None = None
     try:
-        session = _ChatSession(service, await _requested_length(websocket, service))
+        service, max_length = await _opening(websocket, service)
+        session = _ChatSession(service, max_length)
         events = service.start(session.run)
         await events.get()  # _OPENED, or the swarm's error raised here
         await websocket.send_json({"ok": True})

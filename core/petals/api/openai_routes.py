@@ -120,49 +120,51 @@ def openai_router(service: ModelService) -> APIRouter:
     router = APIRouter(prefix="/v1")
     created = int(time.time())
 
-    def model_card() -> dict[str, Any]:
-        return {"id": service.model_id, "object": "model", "created": created, "owned_by": "petals"}
+    def model_card(served: ModelService) -> dict[str, Any]:
+        return {"id": served.model_id, "object": "model", "created": created, "owned_by": "petals"}
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(served) for served in service.served]}
 
     @router.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        _check_model(service, model_id)
-        return model_card()
+        return model_card(_model_service(service, model_id))
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        _check_common(service, body)
+        served = _check_common(service, body)
         try:
-            prompt_ids = service.encode_chat([message.as_template_input() for message in body.messages])
+            prompt_ids = served.encode_chat([message.as_template_input() for message in body.messages])
         except Exception as error:  # jinja template errors: roles out of order, unsupported content
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _complete(service, request, body, prompt_ids, max_tokens, _chat_format)
+        return await _complete(served, request, body, prompt_ids, max_tokens, _chat_format)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_common(service, body)
-        prompt_ids = _prompt_ids(service, body.prompt)
-        return await _complete(service, request, body, prompt_ids, body.max_tokens, _completion_format)
+        served = _check_common(service, body)
+        prompt_ids = _prompt_ids(served, body.prompt)
+        return await _complete(served, request, body, prompt_ids, body.max_tokens, _completion_format)
 
     return router
 
 
-def _check_model(service: ModelService, name: str) -> None:
-    if name not in service.names:
+def _model_service(service: ModelService, name: str) -> ModelService:
+    served = service.for_model(name)
+    if served is None:
+        names = ", ".join(f"'{each.model_id}'" for each in service.served)
         raise APIError(
             404,
-            f"The model '{name}' does not exist; this server serves '{service.model_id}'",
+            f"The model '{name}' does not exist; this server serves {names}",
             param="model",
             code="model_not_found",
         )
+    return served
 
 
-def _check_common(service: ModelService, body: _GenerationRequest) -> None:
-    _check_model(service, body.model)
+def _check_common(service: ModelService, body: _GenerationRequest) -> ModelService:
+    served = _model_service(service, body.model)
     if body.n not in (None, 1):
         raise APIError(400, f"n={body.n} is not supported: petals api returns one choice (n=1)", param="n")
     for name, value in (body.model_extra or {}).items():
@@ -170,6 +172,7 @@ def _check_common(service: ModelService, body: _GenerationRequest) -> None:
             raise APIError(400, f"the parameter '{name}' is not supported by petals api", param=name)
     if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
+    return served
 
 
 def _prompt_ids(service: ModelService, prompt: str | list) -> list[int]:

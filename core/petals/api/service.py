@@ -106,12 +106,37 @@ class Events:
 class ModelService:
     """``model`` (an ``AutoDistributedModelForCausalLM``) and its tokenizer, shared by all requests."""
 
-    def __init__(self, model, tokenizer, model_id: str, limits: Limits, aliases: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        limits: Limits,
+        aliases: Sequence[str] = (),
+        in_progress: threading.BoundedSemaphore | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.model_id, self.limits = model, tokenizer, model_id, limits
         self.names = {model_id, *aliases}
-        self._in_progress = threading.BoundedSemaphore(limits.max_in_progress)
+        self._in_progress = in_progress or threading.BoundedSemaphore(limits.max_in_progress)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
+        self.variants: dict[str, ModelService] = {}
+
+    def add_variant(self, model, model_id: str) -> ModelService:
+        """Serve ``model`` (this one with trained prompts) as ``model_id`` too, within the same limits."""
+        if self.for_model(model_id) is not None:
+            raise ValueError(f"the model name {model_id!r} is already served")
+        variant = ModelService(model, self.tokenizer, model_id, self.limits, in_progress=self._in_progress)
+        self.variants[model_id] = variant
+        return variant
+
+    def for_model(self, name: str) -> ModelService | None:
+        """The service of the model requested as ``name``: this one or a variant (None if neither)."""
+        return self if name in self.names else self.variants.get(name)
+
+    @property
+    def served(self) -> list[ModelService]:
+        return [self, *self.variants.values()]
 
     # ---- prompts -------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ LAZY_COMMANDS = {
     "monitor": "petals.cli.monitor:monitor_command",
     "chat": "petals.cli.chat:chat_command",
     "swarm": "petals.cli.swarm:swarm_command",
+    "simulate": "petals.cli.simulate:simulate_command",
+    "tune": "petals.cli.tune:tune_command",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -57,6 +58,14 @@ READY_MESSAGE = "petals api: serving"
     help="Seconds a WebSocket session may stay idle.",
 )
 @VERIFY_OPTION
+@click.option(
+    "--prompts",
+    "prompts",
+    multiple=True,
+    metavar="NAME=FILE",
+    callback=lambda ctx, param, values: [parse_named_prompts(value) for value in values],
+    help="Also serve MODEL with these trained prompts (from `petals tune`) as the model NAME (repeatable).",
+)
 @private_swarm_options
 def api_command(
     model: str,
@@ -71,6 +80,7 @@ def api_command(
     max_request_bytes: int,
     session_timeout: float,
     verify: float,
+    prompts: list[tuple[str, str]],
     **private_swarm: str | None,
 ) -> None:
     """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
@@ -91,7 +101,17 @@ def api_command(
         dht_prefix=dht_prefix,
         private_swarm=private_swarm,
         verify=verify,
+        prompts=prompts,
     )
+
+
+def parse_named_prompts(value: str) -> tuple[str, str]:
+    name, _, path = value.partition("=")
+    if not name or not path:
+        raise click.BadParameter(f"expected NAME=FILE, got {value!r}", param_hint="--prompts")
+    if not Path(path).is_file():
+        raise click.BadParameter(f"no prompts file at {path}", param_hint="--prompts")
+    return name, path
 
 
 def run_api(
@@ -108,6 +128,7 @@ def run_api(
     on_ready: Callable[[str, str], None] | None = None,
     private_swarm: dict[str, str | None] | None = None,
     verify: float = 0.0,
+    prompts: list[tuple[str, str]] = (),
 ) -> None:
     """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
     try:
@@ -124,17 +145,19 @@ def run_api(
 
     sock = bind(host, port)  # before loading: a taken port fails at once
     tokenizer = AutoTokenizer.from_pretrained(model)
-    distributed = AutoDistributedModelForCausalLM.from_pretrained(
-        model,
+    client = dict(
         initial_peers=initial_peers,
         dht_prefix=dht_prefix,
         verify=verify,
         **(LOOPBACK_CLIENT if loopback else {}),
         **(private_swarm or {}),
     )
+    distributed = AutoDistributedModelForCausalLM.from_pretrained(model, **client)
     try:
         model_id = model_id or (Path(model).name if Path(model).is_dir() else model)
         service = ModelService(distributed, tokenizer, model_id, limits, aliases=[model])
+        for name, path in prompts:
+            service.add_variant(with_prompts(distributed, model, path, client), name)
         address = sock.getsockname()
         url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"
         click.echo(f"{READY_MESSAGE} {model_id} at {url} (OpenAI base URL {url}/v1, chat page {url}/)")
@@ -144,3 +167,17 @@ def run_api(
     finally:
         distributed.close()
         sock.close()
+
+
+def with_prompts(base, model: str, path: str, client: dict[str, Any]):
+    """A second client model of ``model`` using the prompts in ``path``: it shares ``base``'s network and
+    local weights (embeddings, norms, head) and has prompts of its own."""
+    from petals import AutoDistributedModelForCausalLM
+
+    tuned = AutoDistributedModelForCausalLM.from_pretrained(
+        model, network=base.remote_blocks.network, prompts=path, **client
+    )
+    shared = {name: tensor for name, tensor in base.state_dict().items() if "prompt_embeddings" not in name}
+    tuned.load_state_dict(shared, strict=False, assign=True)
+    tuned.tie_weights()
+    return tuned

@@ -5,7 +5,9 @@ as real processes on 127.0.0.1, asks the question through the distributed client
 template, streams the answer, prints the swarm map and timings, and shuts everything down (also on
 Ctrl-C). ``--keep`` leaves the swarm running, starts ``petals monitor`` on it and prints how to
 connect to both; ``--api`` serves it with ``petals api`` instead (OpenAI API, Petals chat API, chat
-page) until Ctrl-C.
+page) until Ctrl-C. ``--tune`` teaches the model something instead (``make tune-demo``): deep prompt tuning
+through the swarm on ``petals/demo_data/records_train.jsonl`` (sentences about people into a fixed
+``Name | City | Age`` record), printing its answers to held-out sentences before and after.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import json
 import signal
 import time
+from pathlib import Path
 
 import click
 
@@ -30,6 +33,9 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
 @click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
 @click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
 @click.option("--api", is_flag=True, help="Serve the swarm with `petals api` (and a chat page) until Ctrl-C.")
+@click.option(
+    "--tune", is_flag=True, help="Teach the model a fixed answer format by prompt tuning through the swarm."
+)
 @click.option("--port", default=8000, show_default=True, help="The API's port with --api (0: any free port).")
 @click.option(
     "--speculative",
@@ -43,6 +49,7 @@ def demo_command(
     cache_dir: str | None,
     keep: bool,
     api: bool,
+    tune: bool,
     port: int,
     speculative: str | None,
 ) -> None:
@@ -67,11 +74,12 @@ def demo_command(
         timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
         if api:
             serve_api(model_path, dht.initial_peers, port)
+        elif tune:
+            tune_demo(model_path, dht.initial_peers, timings)
+            print_timings(timings)
         else:
             answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings, speculation)
-            click.echo("\nTimings:")
-            for what, seconds in timings.items():
-                click.echo(f"  {what:<40} {seconds:7.2f} s")
+            print_timings(timings)
             if keep:
                 wait_for_ctrl_c(model_path, dht.initial_peers)
         click.echo("Shutting the swarm down ...")
@@ -114,6 +122,68 @@ def answer_question(
         print_swarm_map(model)
     finally:
         model.remote_blocks.network.close()
+
+
+def print_timings(timings: dict[str, float]) -> None:
+    click.echo("\nTimings:")
+    for what, seconds in timings.items():
+        click.echo(f"  {what:<40} {seconds:7.2f} s")
+
+
+TUNE_SETTINGS = {"steps": 30, "lr": 0.03, "batch_size": 4, "eval_every": 0, "seed": 0, "chat": False}
+TUNE_PRE_SEQ_LEN = 8
+
+
+def tune_demo(model_path, initial_peers, timings: dict[str, float]) -> None:
+    """Deep prompt tuning on the shipped records data; the held-out answers before and after."""
+    from importlib import resources
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from petals import AutoDistributedModelForCausalLM
+    from petals.cli.tune import Metrics, TuneRun, init_from_vocabulary, make_example, read_rows
+    from petals.network.client import LOOPBACK_CLIENT
+
+    data = resources.files("petals") / "demo_data"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    torch.manual_seed(0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path,
+        initial_peers=initial_peers,
+        tuning_mode="deep_ptune",
+        pre_seq_len=TUNE_PRE_SEQ_LEN,
+        **LOOPBACK_CLIENT,
+    )
+    try:
+        init_from_vocabulary(model, 0)
+        train, held_out = (
+            [make_example(tokenizer, row, chat=False) for row in read_rows(str(data / name))]
+            for name in ("records_train.jsonl", "records_eval.jsonl")
+        )
+        click.echo(f"\nTeaching the model to answer '{train[0].prompt}' with '{train[0].completion}'")
+        click.echo(f"({len(train)} training rows, {len(held_out)} held-out rows, deep prompt tuning)\n")
+        metrics = Metrics(str(model_path), "deep_ptune", TUNE_PRE_SEQ_LEN)
+        started = time.perf_counter()
+        TuneRun(model, tokenizer, train, held_out, **TUNE_SETTINGS).run(metrics)
+        timings["tune (with both evaluations)"] = time.perf_counter() - started
+        timings[f"  {len(metrics.steps)} training steps"] = sum(step["seconds"] for step in metrics.steps)
+        before, after = metrics.evals[0], metrics.evals[-1]
+        for example, old, new in zip(held_out, before["answers"], after["answers"], strict=True):
+            click.echo(f"\n{example.prompt}\n  before: {old.strip()!r}\n  after:  {new.strip()!r}")
+        click.echo(
+            f"\nExact match on held-out rows: {before['matches']}/{before['examples']} before, "
+            f"{after['matches']}/{after['examples']} after"
+        )
+        out = Path(model_path).parent / "SmolLM2-records-prompts.safetensors"
+        model.save_prompts(out)
+        peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
+        click.echo(
+            f"Saved the prompts to {out}; with a swarm of the model running, use them with\n  "
+            f"petals generate {model_path} {peers} --loopback --prompts {out} '{held_out[0].prompt}'"
+        )
+    finally:
+        model.close()
 
 
 def print_swarm_map(model) -> None:

@@ -88,6 +88,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("PluginError", str),
     KnownFailure("UntestedVersionError", str),  # says which version to install
     KnownFailure("CheckpointError", str),
+    KnownFailure("PromptsFileError", str),
     KnownFailure("AdapterError", str),
     KnownFailure("DiskSpaceError", str),
     KnownFailure(

@@ -38,6 +38,12 @@ def client_options(command: Callable) -> Callable:
             "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
         ),
         VERIFY_OPTION,
+        click.option(
+            "--prompts",
+            default=None,
+            type=click.Path(dir_okay=False),
+            help="Trained prompts (a file written by `petals tune`) to put before every input.",
+        ),
         *private_swarm_option_list(identity=True),
     ]
     for decorate in reversed(options):
@@ -120,8 +126,9 @@ def status(message: str) -> None:
     click.echo(message, err=True)
 
 
-def connect(model: str, options: dict[str, Any]):
-    """The tokenizer and the distributed model, saying what happens while it joins the swarm."""
+def connect(model: str, options: dict[str, Any], **overrides: Any):
+    """The tokenizer and the distributed model, saying what happens while it joins the swarm
+    (``options["prompts"]``: a prompts file; ``overrides``: config fields)."""
     from petals.cli.run_server import check_local_path
 
     check_local_path(model)  # before the slow imports
@@ -139,8 +146,10 @@ def connect(model: str, options: dict[str, Any]):
         initial_peers=peers,
         dht_prefix=options["dht_prefix"],
         verify=options["verify"],
+        prompts=options.get("prompts"),
         **(LOOPBACK_CLIENT if options["loopback"] else {}),
         **{name: options[name] for name in PRIVATE_SWARM_OPTIONS},
+        **overrides,
     )
     return tokenizer, distributed
 

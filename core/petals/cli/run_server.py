@@ -196,6 +196,11 @@ def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
 @setting("--update_period", type=float, help="Seconds between DHT announcements.")
 @setting("--expiration", type=float, help="DHT record lifetime.")
 @setting(
+    "--placement",
+    type=click.Choice(["ours", "petals22"]),
+    help="Placement policy: ours (water-filling with hysteresis) or petals22 (Petals 2.2's rules).",
+)
+@setting(
     "--balance_quality",
     type=float,
     help="Move when swarm throughput < this × what moving would give (0: never, >1: always).",

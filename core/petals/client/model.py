@@ -38,14 +38,25 @@ from petals.auto import AutoDistributedConfig
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
+from petals.client.prompts import (
+    PromptsFileError,
+    PromptsHeader,
+    check_header,
+    config_sha256,
+    read_header,
+    read_tensors,
+    save_prompts,
+)
 from petals.client.remote_sequential import RemoteSequential
 from petals.client.suspects import Suspect
+from petals.config import model_id
 from petals.loading import Checkpoint
 from petals.network.client import ClientNetwork
 
 logger = logging.getLogger(__name__)
 
 PTUNE_MODES = ("ptune", "deep_ptune")
+_PROMPT_MODULES = ("prompt_embeddings", "intermediate_prompt_embeddings")
 _HUB_KWARGS = ("cache_dir", "revision", "token")
 
 
@@ -170,6 +181,40 @@ class DistributedModelMixin:
         prompts = weight.view(self.config.pre_seq_len, self.config.num_hidden_layers, -1).permute(1, 0, 2)
         return prompts.unsqueeze(1).expand(-1, batch_size, -1, -1).to(dtype)
 
+    def save_prompts(self, path: str | os.PathLike) -> None:
+        """Write the trained prompts, with what they were trained for, to a safetensors file."""
+        if self.config.tuning_mode not in PTUNE_MODES:
+            raise ValueError("this model has no trainable prompts (load it with tuning_mode and pre_seq_len)")
+        source, hub_kwargs = self._source
+        header = PromptsHeader(
+            model_id(source),
+            self.config.tuning_mode,
+            self.config.pre_seq_len,
+            config_sha256(source, **hub_kwargs),
+        )
+        tensors = {key: getattr(self, key).weight for key in _PROMPT_MODULES if hasattr(self, key)}
+        save_prompts(path, header, tensors)
+
+    @torch.no_grad()
+    def load_prompts(self, path: str | os.PathLike) -> None:
+        """Use the prompts of a file saved by ``save_prompts`` (for this base model, mode and length)."""
+        header = read_header(path)
+        source, hub_kwargs = self._source
+        check_header(path, header, model_id(source), config_sha256(source, **hub_kwargs))
+        mine = (self.config.tuning_mode, self.config.pre_seq_len)
+        if (header.tuning_mode, header.pre_seq_len) != mine:
+            raise PromptsFileError(
+                f"{path} holds {header.tuning_mode} prompts of length {header.pre_seq_len}; this model was "
+                f"loaded with tuning_mode={mine[0]!r}, pre_seq_len={mine[1]}"
+            )
+        tensors = read_tensors(path)
+        for module_name in _PROMPT_MODULES:
+            if hasattr(self, module_name):
+                weight = getattr(self, module_name).weight
+                if module_name not in tensors or tensors[module_name].shape != weight.shape:
+                    raise PromptsFileError(f"{path}: {module_name} is missing or has the wrong shape")
+                weight.copy_(tensors[module_name])
+
     # ---- loading -----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -209,6 +254,7 @@ class DistributedModelMixin:
     ):
         config.name_or_path = str(model_name_or_path)  # as transformers sets it; ``verify`` reads it
         model = cls(config, network=network)
+        model._source = (model_name_or_path, hub_kwargs)
         checkpoint = Checkpoint.open(model_name_or_path, **hub_kwargs)
         model._load_local_tensors(checkpoint, dtype)
         with contextlib.suppress(Exception):  # checkpoints without generation_config.json keep the default
@@ -252,7 +298,7 @@ class DistributedModelMixin:
             setattr(module, attribute, nn.Parameter(value, requires_grad=True))
 
     def _prompt_parameters(self) -> Iterator[nn.Parameter]:
-        for name in ("prompt_embeddings", "intermediate_prompt_embeddings"):
+        for name in _PROMPT_MODULES:
             if hasattr(self, name):
                 yield from getattr(self, name).parameters()
 
@@ -346,14 +392,18 @@ class _AutoDistributed:
         dht_prefix: str | None = None,
         network: ClientNetwork | None = None,
         dtype: torch.dtype | None = None,
+        prompts: str | os.PathLike | None = None,
         **config_overrides: Any,
     ):
         """Load the local parts of ``model_name_or_path`` (directory or hub id) and connect to the swarm.
 
         ``config_overrides`` set any config field: ``ClientConfig`` ones (``request_timeout``,
         ``host_maddrs``, ``nat_port_map``, ...), prompt tuning (``tuning_mode``, ``pre_seq_len``),
-        ``num_labels``, ...; ``cache_dir``, ``revision`` and ``token`` reach the hub.
+        ``num_labels``, ...; ``cache_dir``, ``revision`` and ``token`` reach the hub. ``prompts`` is a
+        file written by ``save_prompts`` (``petals tune``): its mode, length and prompts are used.
         """
+        if prompts is not None:
+            _take_prompt_settings(read_header(prompts), config_overrides)
         hub_kwargs = {key: config_overrides[key] for key in _HUB_KWARGS if key in config_overrides}
         if initial_peers is not None:
             config_overrides["initial_peers"] = tuple(initial_peers)
@@ -363,9 +413,22 @@ class _AutoDistributed:
         if not config.initial_peers:
             raise ValueError("pass initial_peers=[multiaddr, ...] of the swarm to join")
         model_class = distributed_class(config, cls)
-        return model_class.from_pretrained(
+        model = model_class.from_pretrained(
             model_name_or_path, config=config, network=network, dtype=dtype, **hub_kwargs
         )
+        if prompts is not None:
+            try:
+                model.load_prompts(prompts)
+            except BaseException:
+                model.close()
+                raise
+        return model
+
+
+def _take_prompt_settings(header: PromptsHeader, config_overrides: dict[str, Any]) -> None:
+    for key, value in (("tuning_mode", header.tuning_mode), ("pre_seq_len", header.pre_seq_len)):
+        if config_overrides.setdefault(key, value) != value:
+            raise ValueError(f"{key}={config_overrides[key]!r} contradicts the prompts file ({value!r})")
 
 
 class AutoDistributedModelForCausalLM(_AutoDistributed):

@@ -3,11 +3,12 @@
 ``RemoteSequenceManager`` reads every server's record for the model's blocks from the DHT, keeps
 the ONLINE spans (minus banned, blocked or not-allowed peers) and chooses chains of spans:
 
-* ``min_latency`` (inference): Dijkstra over nodes ``(peer, block boundary)``: entering a span
-  costs half the client's ping to it plus a per-hop overhead, each block costs ``1/inference_rps``,
-  switching from span ``p`` to ``q`` at a boundary costs ``p``'s announced ``next_pings[q]`` / 2
-  (or half of both client pings when unknown), leaving costs half a ping; spans without enough KV
-  cache for the session are skipped.
+* ``min_latency`` (inference): the routing policy of ``petals.policies.routing`` (``routing`` in the
+  client config: ``ours``, the default, or ``petals22``) over Petals' graph: entering a span costs half
+  the client's ping to it plus a per-hop overhead, each block costs ``1/inference_rps``, switching from
+  span ``p`` to ``q`` at a boundary costs ``p``'s announced ``next_pings[q]`` / 2 (or half of both client
+  pings when unknown), leaving costs half a ping; spans without enough KV cache for the session are
+  skipped. ``route_candidates`` builds the policy's input.
 * ``max_throughput`` (forward/backward): left to right, a random span containing the current block,
   weighted by its throughput and how many blocks it covers from there.
 
@@ -27,7 +28,6 @@ around in seconds rather than after ``request_timeout``.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import math
@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
 from petals.client.measurements import ServerMeasurements
@@ -45,11 +46,11 @@ from petals.dht import compute_spans, get_remote_module_infos
 from petals.membership import MembershipError
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
+from petals.policies.routing import ROUTINGS, RouteCandidates
 from petals.wire import error_kind
 
 logger = logging.getLogger(__name__)
 
-HOP_OVERHEAD = 0.018  # seconds of (de)serialization and scheduling per server visited
 DEFAULT_INFERENCE_RPS = 300.0
 UNKNOWN_RTT = 0.15
 MAX_RTT = 5.0
@@ -104,6 +105,8 @@ class RemoteSequenceManager:
         self.last_update = -float("inf")
         self.measurements = ServerMeasurements(config.min_step_timeout, config.request_timeout)
         self.suspects = Suspects()  # caught lying by ``verification``: banned for good
+        self.routing = ROUTINGS[getattr(config, "routing", "ours")]()
+        self.routing_rng = np.random.default_rng()
 
     def __len__(self) -> int:
         return len(self.block_uids)
@@ -293,56 +296,33 @@ class RemoteSequenceManager:
     def _rtt(self, peer: PeerID) -> float:
         return min(self.pings.get(peer, UNKNOWN_RTT), MAX_RTT)
 
-    def _min_latency(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
-        by_peer = {span.peer_id: span for span in spans}
-        starting_at = {block: [s for s in spans if s.start <= block < s.end] for block in range(start, end)}
-        source, target = ("start",), ("end",)
-        best: dict[tuple, float] = {source: 0.0}
-        previous: dict[tuple, tuple] = {}
-        counter = itertools.count()
-        queue = [(0.0, next(counter), source)]
-        while queue:
-            cost, _, node = heapq.heappop(queue)
-            if node == target:
-                break
-            if cost > best.get(node, float("inf")):
-                continue
-            for neighbour, weight in self._edges(node, by_peer, starting_at, start, end):
-                candidate = cost + weight
-                if candidate < best.get(neighbour, float("inf")):
-                    best[neighbour], previous[neighbour] = candidate, node
-                    heapq.heappush(queue, (candidate, next(counter), neighbour))
-        path, node = [], target
-        while node in previous:
-            node = previous[node]
-            path.append(node)
-        nodes = [node for node in reversed(path) if len(node) == 2]  # (peer, boundary) nodes, in order
-        route: list[RemoteSpanInfo] = []
-        for (peer, boundary), (next_peer, next_boundary) in itertools.pairwise(nodes):
-            if peer == next_peer:
-                if route and route[-1].peer_id == peer and route[-1].end == boundary:
-                    route[-1].end = next_boundary
-                else:
-                    route.append(RemoteSpanInfo(peer, boundary, next_boundary, by_peer[peer].server_info))
-        return route
+    def route_candidates(self, spans: Sequence[RemoteSpanInfo]) -> RouteCandidates:
+        """The one place where the client turns the spans it may use into the routing policy's input:
+        its pings, each server's seconds per block and the pings servers announce to each other (a hop
+        without an announced ping goes via the client: half of both client pings)."""
+        rtts = np.array([self._rtt(span.peer_id) for span in spans], dtype=float)
+        hops = (rtts[:, None] + rtts[None, :]) / 2
+        names = [span.peer_id.to_base58() for span in spans]
+        for row, span in enumerate(spans):
+            announced = span.server_info.next_pings or {}
+            for column, name in enumerate(names):
+                if name in announced:
+                    hops[row, column] = min(announced[name], MAX_RTT) / 2
+        steps = [1 / (span.server_info.inference_rps or DEFAULT_INFERENCE_RPS) for span in spans]
+        return RouteCandidates(
+            starts=np.array([span.start for span in spans], dtype=int),
+            ends=np.array([span.end for span in spans], dtype=int),
+            step_seconds=np.array(steps, dtype=float),
+            client_rtt=rtts,
+            sites=np.arange(len(spans)),
+            hop_seconds=hops,
+        )
 
-    def _edges(self, node: tuple, by_peer: dict, starting_at: dict, start: int, end: int):
-        if node == ("start",):
-            for span in starting_at[start]:
-                yield (span.peer_id, start), self._rtt(span.peer_id) / 2 + HOP_OVERHEAD
-            return
-        peer, boundary = node
-        span = by_peer[peer]
-        if boundary == end:
-            yield ("end",), self._rtt(peer) / 2
-            return
-        if boundary < span.end:
-            rps = span.server_info.inference_rps or DEFAULT_INFERENCE_RPS
-            yield (peer, boundary + 1), 1 / rps
-        if boundary > span.start:  # switch servers only after using this one
-            for other in starting_at[boundary]:
-                if other.peer_id != peer:
-                    yield (other.peer_id, boundary), self._hop(span, other.peer_id) + HOP_OVERHEAD
+    def _min_latency(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
+        chosen = self.routing.route(self.route_candidates(spans), start, end, self.routing_rng)
+        return [
+            RemoteSpanInfo(spans[i].peer_id, first, stop, spans[i].server_info) for i, first, stop in chosen
+        ]
 
     def push_pays(self, span: RemoteSpanInfo, next_peer: PeerID) -> bool:
         """Whether ``span``'s server reaches ``next_peer`` sooner than the client's own copy would.
@@ -353,13 +333,6 @@ class RemoteSequenceManager:
         """
         announced = (span.server_info.next_pings or {}).get(next_peer.to_base58())
         return announced is None or announced < self._rtt(span.peer_id) + self._rtt(next_peer)
-
-    def _hop(self, span: RemoteSpanInfo, next_peer: PeerID) -> float:
-        next_pings = span.server_info.next_pings or {}
-        announced = next_pings.get(next_peer.to_base58())
-        if announced is not None:
-            return min(announced, MAX_RTT) / 2
-        return (self._rtt(span.peer_id) + self._rtt(next_peer)) / 2  # via the client
 
 
 def _max_throughput(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:

@@ -1,116 +1,102 @@
-"""Which blocks a ``--num_blocks`` server hosts, and when it should move (Petals' balancing rules).
+"""Which blocks a ``--num_blocks`` server hosts, and when it should move: the DHT records turned into the
+placement policy's input (``petals.policies.placement``), and the policy's answer.
 
-Throughput per block = the sum of announced throughputs of JOINING and ONLINE servers covering it.
-A server takes the window of consecutive blocks whose sorted throughputs are lexicographically
-smallest (the weakest-covered region; ties → lowest index). While serving, it moves only if the
-swarm's bottleneck throughput would improve by more than ``balance_quality`` and its best window
-differs from the one it serves (Petals bug #389: reloading the same blocks).
+``--placement ours`` (the default) or ``petals22`` chooses the policy; ``--balance_quality`` keeps
+Petals' meaning for both: 0 never moves, above 1 always moves to the best range when it differs (a
+debugging aid), and for ``petals22`` the value in between is its threshold.
 """
 
 from __future__ import annotations
 
-import logging
-import random
 from collections.abc import Sequence
 
+import numpy as np
 from hivemind.p2p import PeerID
 
-from petals.data_structures import RemoteModuleInfo, RemoteSpanInfo, ServerState
+from petals.data_structures import RemoteModuleInfo, ServerState
 from petals.dht import compute_spans
+from petals.policies.placement import (
+    PLACEMENTS,
+    MoveDecision,
+    MoveHistory,
+    OursPlacement,
+    Petals22Placement,
+    Placement,
+    SwarmView,
+    weakest_window,
+)
 
-logger = logging.getLogger(__name__)
-
-EPS = 1e-3
+PLACEMENT_CHOICES = tuple(PLACEMENTS)
 
 
-def compute_throughputs(spans: dict[PeerID, RemoteSpanInfo], total_blocks: int) -> list[float]:
-    throughputs = [0.0] * total_blocks
-    for peer_id in sorted(spans, key=str):  # a fixed order keeps float sums deterministic
-        span = spans[peer_id]
-        for index in range(span.start, span.end):
-            throughputs[index] += span.throughput
-    return throughputs
+def make_placement(
+    name: str = "ours", balance_quality: float = 0.75, mean_check_period: float = 60
+) -> Placement:
+    if name == "petals22":
+        return Petals22Placement(balance_quality, mean_check_period)
+    if name == "ours":
+        forced = balance_quality > 1.0
+        return OursPlacement(
+            margin=-1.0 if forced else OursPlacement().margin, mean_check_period=mean_check_period
+        )
+    raise ValueError(f"unknown placement {name!r}; choose from {', '.join(PLACEMENT_CHOICES)}")
+
+
+def swarm_view(module_infos: Sequence[RemoteModuleInfo]) -> tuple[SwarmView, list[PeerID]]:
+    """The JOINING and ONLINE servers' spans, in a fixed order (by peer id), and their peer ids."""
+    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
+    peers = sorted(spans, key=str)
+    rows = [
+        (spans[peer].start, spans[peer].end, spans[peer].throughput, spans[peer].server_info.forward_rps)
+        for peer in peers
+    ]
+    return SwarmView.from_spans(len(module_infos), rows), peers
 
 
 def choose_best_start(throughputs: Sequence[float], num_blocks: int) -> int:
-    starts = range(len(throughputs) - num_blocks + 1)
-    return min(starts, key=lambda start: (sorted(throughputs[start : start + num_blocks]), start))
+    return weakest_window(np.asarray(throughputs, dtype=float), num_blocks)
 
 
-def choose_best_blocks(num_blocks: int, module_infos: Sequence[RemoteModuleInfo]) -> range:
+def choose_best_blocks(
+    num_blocks: int, module_infos: Sequence[RemoteModuleInfo], placement: Placement | None = None
+) -> range:
     """The blocks a new server with ``num_blocks`` blocks should host."""
-    num_blocks = min(num_blocks, len(module_infos))
-    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
-    start = choose_best_start(compute_throughputs(spans, len(module_infos)), num_blocks)
-    return range(start, start + num_blocks)
+    view, _ = swarm_view(module_infos)
+    return (placement or make_placement()).choose_blocks(view, num_blocks)
+
+
+def decide_move(
+    local_peer_id: PeerID,
+    module_infos: Sequence[RemoteModuleInfo],
+    placement: Placement,
+    *,
+    balance_quality: float,
+    now: float,
+    rng: np.random.Generator,
+    history: MoveHistory,
+) -> MoveDecision:
+    view, peers = swarm_view(module_infos)
+    if local_peer_id not in peers:
+        return MoveDecision(None, "staying: this server's records are not in the DHT yet")
+    if balance_quality <= 0:
+        return MoveDecision(None, "staying: balancing is off (balance_quality 0)")
+    return placement.choose_new_blocks(view, peers.index(local_peer_id), now=now, rng=rng, history=history)
 
 
 def choose_new_blocks(
-    local_peer_id: PeerID, module_infos: Sequence[RemoteModuleInfo], balance_quality: float
+    local_peer_id: PeerID,
+    module_infos: Sequence[RemoteModuleInfo],
+    balance_quality: float,
+    placement: str = "ours",
 ) -> range | None:
-    """The blocks this server should move to, or None to stay where it is.
-
-    ``balance_quality`` > 1 forces a move to the best window (a debugging aid) and 0 disables
-    moving; None is returned whenever the best window is the current one.
-    """
-    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
-    if local_peer_id not in spans or balance_quality <= 0:
-        return None
-    throughputs = compute_throughputs(spans, len(module_infos))
-    local = spans[local_peer_id]
-    current = f"blocks {local.start}:{local.end}"
-    initial_bottleneck = min(throughputs)
-    _shift(throughputs, local, -local.throughput * (1 + EPS))  # the EPS biases towards staying
-    if initial_bottleneck > EPS and min(throughputs) <= 0:
-        logger.info("Balance check: staying on %s, the only server for some of them", current)
-        return None
-    new_start = choose_best_start(throughputs, local.length)
-    if new_start == local.start:
-        logger.info("Balance check: staying on %s, still the best range for this server", current)
-        return None
-    new_blocks = range(new_start, new_start + local.length)
-    if balance_quality > 1.0:
-        return new_blocks
-    _shift(throughputs, local, local.throughput * EPS)
-    _move(throughputs, local, new_start)
-    _settle_swarm(throughputs, spans)
-    new_bottleneck = min(throughputs)
-    if new_bottleneck < initial_bottleneck or new_bottleneck < EPS:
-        logger.info("Balance check: staying on %s, moving would not raise the swarm's throughput", current)
-        return None
-    quality = initial_bottleneck / new_bottleneck
-    if quality < balance_quality - EPS:
-        logger.info("Balance check: swarm balance quality %.1f%%, moving would help", quality * 100)
-        return new_blocks
-    logger.info("Balance check: staying on %s, swarm balance quality %.1f%%", current, quality * 100)
-    return None
-
-
-def _settle_swarm(throughputs: list[float], spans: dict[PeerID, RemoteSpanInfo]) -> None:
-    """Simulate every server moving to its own best window until nobody moves."""
-    moved = True
-    while moved:
-        moved = False
-        peers = list(spans)
-        random.shuffle(peers)
-        for peer_id in peers:
-            span = spans[peer_id]
-            _shift(throughputs, span, -span.throughput * (1 + EPS))
-            best = choose_best_start(throughputs, span.length)
-            _shift(throughputs, span, span.throughput * EPS)
-            if best != span.start:
-                _move(throughputs, span, best)
-                moved = True
-            else:
-                _shift(throughputs, span, span.throughput)
-
-
-def _move(throughputs: list[float], span: RemoteSpanInfo, new_start: int) -> None:
-    length = span.length
-    span.start, span.end = new_start, new_start + length
-    _shift(throughputs, span, span.throughput)
-
-
-def _shift(throughputs: list[float], span: RemoteSpanInfo, delta: float) -> None:
-    for index in range(span.start, span.end):
-        throughputs[index] += delta
+    """The blocks this server should move to, or None to stay where it is (never its current range)."""
+    decision = decide_move(
+        local_peer_id,
+        module_infos,
+        make_placement(placement, balance_quality),
+        balance_quality=balance_quality,
+        now=0.0,
+        rng=np.random.default_rng(),
+        history=MoveHistory(),
+    )
+    return decision.blocks

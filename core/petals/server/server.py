@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
@@ -33,9 +33,10 @@ from petals.dht import (
 from petals.loading import Checkpoint, load_block
 from petals.membership import load_membership
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
+from petals.policies.placement import MoveHistory
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server.backend import BlockBackend, HostedBlocks
-from petals.server.block_selection import choose_best_blocks, choose_new_blocks
+from petals.server.block_selection import choose_best_blocks, decide_move, make_placement
 from petals.server.cache_budget import CacheBudget
 from petals.server.engine import ComputeThread, ServingEngine
 from petals.server.handler import TransformerConnectionHandler
@@ -69,6 +70,11 @@ class Server:
         self.peer_id: PeerID | None = None  # set on joining
         self.span: ServingSpan | None = None  # the blocks it serves now
         self.membership = load_membership(settings.network, role="server")  # None in a public swarm
+        self.placement = make_placement(
+            settings.placement, settings.balance_quality, settings.mean_balance_check_period
+        )
+        self.placement_rng = np.random.default_rng()
+        self.move_history = MoveHistory()
 
     async def run(self) -> None:
         """Serve until ``stop`` is set, then leave the swarm cleanly (within ~``LEAVE_SECONDS`` + 1 s)."""
@@ -157,7 +163,7 @@ class Server:
         if self.settings.block_indices is not None:
             return self.settings.block_indices
         infos = await get_remote_module_infos(node, self.all_uids, latest=True)
-        return choose_best_blocks(self.settings.num_blocks, infos)
+        return choose_best_blocks(self.settings.num_blocks, infos, self.placement)
 
     def server_info(
         self,
@@ -340,16 +346,28 @@ class ServingSpan:
         if self.settings.block_indices is not None:
             return None
         infos = await get_remote_module_infos(self.node, self.server.all_uids, latest=True)
-        new_blocks = choose_new_blocks(self.p2p.peer_id, infos, self.settings.balance_quality)
+        server = self.server
+        decision = decide_move(
+            self.p2p.peer_id,
+            infos,
+            server.placement,
+            balance_quality=self.settings.balance_quality,
+            now=time.monotonic(),
+            rng=server.placement_rng,
+            history=server.move_history,
+        )
+        logger.info("Balance check: %s", decision.reason)
+        new_blocks = decision.blocks
         if new_blocks is None or new_blocks == self.blocks:
             return None
         logger.info(
             "Rebalancing: moving from blocks %d:%d to %d:%d", *_bounds(self.blocks), *_bounds(new_blocks)
         )
+        server.move_history = MoveHistory(self.blocks, time.monotonic())
         return new_blocks
 
     def _balance_delay(self) -> float:
-        return random.uniform(0, 2 * self.settings.mean_balance_check_period)
+        return self.server.placement.check_delay(self.server.placement_rng)
 
     def _log_stats(self, tokens_per_second: float) -> None:
         logger.info(

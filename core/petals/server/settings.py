@@ -101,6 +101,7 @@ class ServerSettings:
     step_timeout: float = 5 * 60
     update_period: float = 60
     expiration: float | None = _decided("max(2 × update_period, 3)")
+    placement: str = "ours"  # the placement policy: ours or petals22 (petals.policies)
     balance_quality: float = 0.75
     mean_balance_check_period: float = 60
     stats_period: float = 60

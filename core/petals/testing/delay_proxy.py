@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,13 +30,27 @@ CHUNK_BYTES = 64 * 1024
 MAX_CHUNKS_IN_FLIGHT = 256
 
 
+@dataclass(frozen=True)
+class ChunkEvent:
+    """One chunk through a ``DelayProxy``: when it arrived, was due and was written (``time.monotonic()``)."""
+
+    arrived: float
+    due: float
+    sent: float
+    direction: str  # "to server" or "from server"
+    size: int
+
+
 class DelayProxy:
     """Forward ``127.0.0.1:.port`` to ``host:target_port``, holding each chunk ``delay_ms``.
 
     Each chunk is held from its own arrival (a stream of chunks is delayed, not slowed down), in
     order, in both directions. The asyncio loop runs in a daemon thread; ``close()`` (or leaving
     the ``with`` block) closes every socket. ``bytes_forwarded`` counts the payload both ways, so
-    a caller can check that traffic really goes through the proxy.
+    a caller can check that traffic really goes through the proxy; ``chunks_sent`` and
+    ``late_seconds`` (the sum over chunks of how long after its due time each was written: timer
+    granularity and waiting for the loop's thread) measure the proxy's own delay beyond ``delay_ms``.
+    Assigning a list to ``events`` records every chunk written from then on as a ``ChunkEvent``.
     """
 
     def __init__(self, target_port: int, delay_ms: float = 20.0, host: str = "127.0.0.1") -> None:
@@ -44,6 +59,9 @@ class DelayProxy:
         self.host = host
         self.port: int | None = None
         self.bytes_forwarded = 0
+        self.chunks_sent = 0
+        self.late_seconds = 0.0
+        self.events: list[ChunkEvent] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -99,7 +117,8 @@ class DelayProxy:
                 sock = sock_writer.get_extra_info("socket")
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await asyncio.gather(
-                self._pipe(client_reader, target_writer), self._pipe(target_reader, client_writer)
+                self._pipe(client_reader, target_writer, "to server"),
+                self._pipe(target_reader, client_writer, "from server"),
             )
         except (OSError, asyncio.IncompleteReadError):
             pass  # a peer went away: the other side is closed below, as a real link would drop
@@ -110,23 +129,25 @@ class DelayProxy:
                     self._writers.discard(writer)
             self._connections.discard(task)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         """Read chunks as they come; a second task writes each one ``delay_ms`` after it arrived."""
-        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(MAX_CHUNKS_IN_FLIGHT)
-        sender = asyncio.create_task(self._send_when_due(held, writer))
+        held: asyncio.Queue[tuple[float, float, bytes]] = asyncio.Queue(MAX_CHUNKS_IN_FLIGHT)
+        sender = asyncio.create_task(self._send_when_due(held, writer, direction))
         try:
             while chunk := await reader.read(CHUNK_BYTES):
-                await held.put((time.monotonic() + self.delay_ms / 1000, chunk))
-            await held.put((time.monotonic() + self.delay_ms / 1000, b""))  # EOF, delayed like data
+                arrived = time.monotonic()
+                await held.put((arrived, arrived + self.delay_ms / 1000, chunk))
+            arrived = time.monotonic()
+            await held.put((arrived, arrived + self.delay_ms / 1000, b""))  # EOF, delayed like data
             await sender
         finally:
             sender.cancel()
 
     async def _send_when_due(
-        self, held: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
+        self, held: asyncio.Queue[tuple[float, float, bytes]], writer: asyncio.StreamWriter, direction: str
     ) -> None:
         while True:
-            due, chunk = await held.get()
+            arrived, due, chunk = await held.get()
             wait = due - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -134,7 +155,12 @@ class DelayProxy:
                 if writer.can_write_eof():
                     writer.write_eof()
                 return
+            sent = time.monotonic()
+            self.late_seconds += max(0.0, sent - due)
+            if self.events is not None:
+                self.events.append(ChunkEvent(arrived, due, sent, direction, len(chunk)))
             writer.write(chunk)
+            self.chunks_sent += 1
             self.bytes_forwarded += len(chunk)
             await writer.drain()
 

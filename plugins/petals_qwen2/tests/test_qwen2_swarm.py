@@ -1,11 +1,11 @@
-"""End to end: a tiny Qwen2 served by two real `petals serve` processes generates what transformers does."""
+"""End to end: a tiny Qwen2 served by two real servers (in this process) generates what transformers does."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import petals
-from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm
+from petals.testing.swarm import LOOPBACK_CLIENT, inprocess_swarm
 from qwen2_tiny import tiny_qwen2
 
 
@@ -22,7 +22,7 @@ def test_two_servers_generate_the_same_greedy_tokens_as_transformers(tiny_qwen2_
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
     local = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32).eval()
     expected = local.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    with running_swarm(tiny_qwen2_path, "0:2", "2:4") as (dht, _):
+    with inprocess_swarm(tiny_qwen2_path, "0:2", "2:4") as (dht, _):
         remote = petals.AutoDistributedModelForCausalLM.from_pretrained(
             tiny_qwen2_path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

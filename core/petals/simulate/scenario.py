@@ -1,0 +1,129 @@
+"""A scenario: the swarm's hardware (a GPU mix), where servers and clients are (regions and their
+round trips), how servers come and go (churn, crashes) and what clients do (inference sessions).
+
+``load_scenario`` reads a YAML file whose keys override the defaults (unknown keys are an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """A kind of server: its share of the swarm and what it does for one block of the model."""
+
+    name: str
+    share: float
+    max_blocks: int  # blocks its memory holds
+    forward_rps: float  # tokens per second through one block, in batches (prefill)
+    inference_rps: float  # single-token steps per second through one block
+    cache_sessions: int  # sessions of ``session_tokens_max`` tokens its KV cache holds
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    server_share: float
+    client_share: float
+
+
+DEFAULT_GPUS = (
+    GpuKind("a100-80gb", 0.10, 40, 4000.0, 700.0, 8),
+    GpuKind("a6000-48gb", 0.15, 24, 2500.0, 450.0, 6),
+    GpuKind("rtx4090-24gb", 0.30, 12, 2000.0, 500.0, 4),
+    GpuKind("rtx3090-24gb", 0.25, 12, 1200.0, 350.0, 4),
+    GpuKind("t4-16gb", 0.20, 6, 300.0, 120.0, 2),
+)
+DEFAULT_REGIONS = (
+    Region("us-east", 0.30, 0.30),
+    Region("us-west", 0.20, 0.20),
+    Region("europe", 0.30, 0.30),
+    Region("asia", 0.15, 0.15),
+    Region("south-america", 0.05, 0.05),
+)
+# round trips in milliseconds, in the order of DEFAULT_REGIONS
+DEFAULT_RTT_MS = (
+    (8, 65, 80, 180, 120),
+    (65, 8, 140, 120, 170),
+    (80, 140, 8, 230, 200),
+    (180, 120, 230, 8, 300),
+    (120, 170, 200, 300, 8),
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    servers: int = 1000
+    blocks: int = 80
+    hours: float = 24.0
+    seed: int = 0
+    churn: float = 0.5  # departures per server-hour (each replaced by a new server)
+    clients: int = 200
+    crash_fraction: float = 0.3  # departures that are crashes: no OFFLINE, the record lingers
+    record_lingers: float = 120.0  # seconds a crashed server's records stay in the DHT
+    rejoin_seconds: float = 600.0  # mean delay before a departed server's replacement joins
+    startup_seconds: float = 30.0  # a server's start before it loads blocks
+    load_seconds_per_block: float = 3.0
+    ramp_seconds: float = 600.0  # the initial servers join over this time
+    warmup_hours: float = 1.0  # not counted in the metrics (at most a quarter of ``hours``)
+    session_tokens_min: int = 128
+    session_tokens_max: int = 2048
+    think_seconds: float = 300.0  # a client's mean pause between sessions
+    batch_penalty: float = 0.3  # each further session on a server adds this to its step time
+    failover_seconds: float = 5.0  # a session's cost of finding out that its server is gone
+    ban_seconds: float = 15.0
+    sample_seconds: float = 60.0
+    server_rtt_jitter_ms: float = 10.0  # added to each server's round trips (its own link)
+    gpus: tuple[GpuKind, ...] = DEFAULT_GPUS
+    regions: tuple[Region, ...] = DEFAULT_REGIONS
+    rtt_ms: tuple[tuple[float, ...], ...] = DEFAULT_RTT_MS
+    policy_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.servers < 1 or self.blocks < 1 or self.hours <= 0:
+            problems.append("servers and blocks must be >= 1 and hours > 0")
+        if self.warmup_hours < 0:
+            problems.append("warmup_hours must be >= 0")
+        if len(self.rtt_ms) != len(self.regions) or any(len(row) != len(self.regions) for row in self.rtt_ms):
+            problems.append(
+                f"rtt_ms must be a {len(self.regions)}x{len(self.regions)} matrix (one row per region)"
+            )
+        if not self.gpus or sum(gpu.share for gpu in self.gpus) <= 0:
+            problems.append("gpus must list at least one kind with a positive share")
+        if not 1 <= self.session_tokens_min <= self.session_tokens_max:
+            problems.append("need 1 <= session_tokens_min <= session_tokens_max")
+        if problems:
+            raise ValueError("invalid scenario: " + "; ".join(problems))
+
+    @property
+    def warmup_seconds(self) -> float:
+        return min(self.warmup_hours, self.hours / 4) * 3600
+
+    def replace(self, **changes) -> Scenario:
+        return dataclasses.replace(
+            self, **{key: value for key, value in changes.items() if value is not None}
+        )
+
+
+def load_scenario(path: str | Path, **overrides) -> Scenario:
+    """A scenario from a YAML file (its keys override the defaults), then ``overrides`` (None: keep)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of scenario keys, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(Scenario)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown scenario keys {unknown}; known: {sorted(known)}")
+    if "gpus" in data:
+        data["gpus"] = tuple(GpuKind(**gpu) for gpu in data["gpus"])
+    if "regions" in data:
+        data["regions"] = tuple(Region(**region) for region in data["regions"])
+    if "rtt_ms" in data:
+        data["rtt_ms"] = tuple(tuple(row) for row in data["rtt_ms"])
+    return Scenario(**data).replace(**overrides)
