@@ -59,6 +59,7 @@ def summarize(m: Metrics, wall_seconds: float) -> dict:
         "moves_per_server_hour": m.moves / max(m.server_seconds / 3600, 1e-9),
         "returns_within_check_period": m.returns_within_check_period,
         "routing_ms_p95": float(np.percentile(routing_ms, 95)),
+        "routing_cpu_ms_p95": float(np.percentile(np.array(m.routing_cpu_seconds or [np.nan]) * 1000, 95)),
         "sessions": len(m.latencies),
         "failovers": m.failovers,
         "wall_seconds": wall_seconds,
