@@ -3,6 +3,7 @@ swarm (``petals.simulate``) and write the metrics as JSON, and optionally a plot
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -64,6 +65,10 @@ def simulate_command(
         )
     except (ValueError, TypeError) as error:
         raise PetalsCliError(str(error)) from None
+    if plot_path and importlib.util.find_spec("matplotlib") is None:  # before the simulation, not after it
+        raise PetalsCliError(
+            "--plot needs matplotlib: pip install 'petals-core[simulate]' (or leave out --plot)"
+        )
     policies = POLICIES if policy == "both" else (policy,)
     with ProcessPoolExecutor(len(policies)) as pool:
         results = dict(zip(policies, pool.map(run_policy, [scenario] * len(policies), policies), strict=True))
