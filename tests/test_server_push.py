@@ -11,7 +11,7 @@ from hivemind.p2p import PeerID
 from transformers import AutoModelForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT, inprocess_swarm
+from conftest import LOOPBACK_CLIENT, running_swarm
 from petals.auto import AutoDistributedConfig
 from petals.client.inference_session import InferenceSession
 from petals.client.routing import RemoteSequenceManager
@@ -28,7 +28,7 @@ PEERS = [PeerID(name).to_base58() for name in (b"first", b"second", b"third")]
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
     path = tiny_model_path("llama")
-    with inprocess_swarm(path, "0:2", "2:4", server_args=("--update_period", "2")) as (dht, servers):
+    with running_swarm(path, "0:2", "2:4", server_args=("--update_period", "2")) as (dht, servers):
         client = WireClient(dht.initial_peers)
         yield path, dht, servers, client
         client.close()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import petals
-from conftest import LOOPBACK_CLIENT, inprocess_swarm
+from conftest import LOOPBACK_CLIENT, running_swarm
 from petals import tracing
 
 NEW_TOKENS = 4
@@ -17,10 +15,7 @@ NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
     path = tiny_model_path("llama")
-    with contextlib.ExitStack() as stack:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv(tracing.TRACE_ENV, "1")  # the servers start with it, the client does not
-            dht, _ = stack.enter_context(inprocess_swarm(path, "0:2", "2:4"))
+    with running_swarm(path, "0:2", "2:4", env={tracing.TRACE_ENV: "1"}) as (dht, _):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

@@ -145,7 +145,7 @@ def connect(model: str, options: dict[str, Any], **overrides: Any):
         model,
         initial_peers=peers,
         dht_prefix=options["dht_prefix"],
-        verify=options["verify"],
+        verify=options.get("verify", 0.0),
         prompts=options.get("prompts"),
         **(LOOPBACK_CLIENT if options["loopback"] else {}),
         **{name: options[name] for name in PRIVATE_SWARM_OPTIONS},
