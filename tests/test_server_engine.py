@@ -201,6 +201,22 @@ def test_forward_and_backward_run_one_task_per_block(blocks, graph_bytes, backwa
     torch.testing.assert_close(forward.result()[0], expected.detach(), atol=1e-5, rtol=0)
     (expected_grad,) = torch.autograd.grad(expected, hidden, grad)
     torch.testing.assert_close(backward.result()[0], expected_grad, atol=1e-5, rtol=0)
+    assert engine.graphs.used == 0
+
+
+def test_backward_requests_share_the_graph_budget_and_give_it_back(engine, blocks):
+    one_block = blocks.backends["tiny.0"].forward_with_graph(torch.randn(2, 4, 64), None).saved_bytes
+    engine.graphs.limit = 2 * one_block  # room for one request's two blocks
+    first = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    second = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    assert len(drain(engine)) == 4 + 3  # one of them keeps one graph only, and recomputes its last block
+    assert first.result()[0].shape == second.result()[0].shape == (2, 4, 64)
+    assert engine.graphs.used == 0
+    cancelled = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    engine.step(engine.schedule(engine.clock()))  # its first block's graph is held ...
+    assert engine.graphs.used > 0
+    cancelled.cancel()
+    assert engine.schedule(engine.clock()) is None and engine.graphs.used == 0  # ... until it is dropped
 
 
 def test_a_kept_graph_counts_activations_not_weights(blocks):
