@@ -1,0 +1,154 @@
+"""The simulator agrees with reality: ``scenarios/loopback.yml`` run by ``petals.simulate.settle`` and by
+a real loopback swarm of the same five servers, each behind a ``DelayProxy`` with the scenario's delay,
+joining one at a time in the same order and announcing the scenario's speeds.
+
+Both sides must choose the same block ranges and the same route for the client, and the per-token
+latency measured through the real swarm (median of 20 single-token steps) must be within 25% of the
+simulated one. The scenario's network model (a connection between two servers crosses the proxy of
+the one that joined first) is checked too, on the pings the servers announce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_config
+from petals import AutoDistributedModelForCausalLM, tracing
+from petals.server.throughput import ThroughputInfo
+from petals.simulate import Scenario, load_scenario, scenario_path, settle
+from petals.testing.delay_proxy import DelayProxy, free_local_port
+from petals.testing.inprocess import InProcessDht, InProcessServer
+from petals.testing.swarm import LOOPBACK_CLIENT
+
+SCENARIO = load_scenario(scenario_path("loopback"))
+UPDATE_PERIOD = "2"  # seconds between announcements: next_pings are measured and announced that often
+WARMUP_STEPS, STEPS = 3, 20
+PING_SLACK = 0.025  # a measured round trip may exceed the proxies' by this (ping RPC, a loaded machine)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    config = tiny_config("llama")
+    config.num_hidden_layers = SCENARIO.blocks
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("reality") / "tiny-llama"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def one_way_delays_ms(scenario: Scenario) -> list[float]:
+    """Each listed server's proxy delay: half the client's round trip to its region."""
+    regions = [region.name for region in scenario.regions]
+    client = regions.index(scenario.client_region)
+    return [scenario.rtt_ms[client][regions.index(spec.region)] / 2 for spec in scenario.server_list]
+
+
+@contextlib.contextmanager
+def real_swarm(path: Path, scenario: Scenario) -> Iterator[tuple[InProcessDht, list[InProcessServer]]]:
+    """The scenario's servers, started one by one (each ONLINE before the next joins) behind proxies."""
+    with contextlib.ExitStack() as stack:
+        dht = stack.enter_context(InProcessDht().start())
+        servers = []
+        for (gpu_index, _), delay_ms in zip(scenario.server_kinds, one_way_delays_ms(scenario), strict=True):
+            gpu = scenario.gpus[gpu_index]
+            port = free_local_port()
+            proxy = stack.enter_context(DelayProxy(port, delay_ms))
+            num_blocks = min(gpu.max_blocks, scenario.blocks)
+            server = InProcessServer(
+                path,
+                dht.initial_peers,
+                "--num_blocks",
+                str(num_blocks),
+                "--torch_dtype",
+                "float32",
+                "--update_period",
+                UPDATE_PERIOD,
+                "--host_maddrs",
+                f"/ip4/127.0.0.1/tcp/{port}",
+                "--announce_maddrs",
+                f"/ip4/127.0.0.1/tcp/{proxy.port}",
+                throughput=ThroughputInfo(
+                    gpu.forward_rps / ((num_blocks + 1) / 2), float(gpu.forward_rps), float(gpu.inference_rps)
+                ),
+            )
+            servers.append(stack.enter_context(server.start()))
+        yield dht, servers
+
+
+def wait_for_next_pings(manager, timeout: float = 30.0) -> None:
+    """Until every server announces a ping to each ONLINE server hosting the block after its span."""
+    deadline = time.monotonic() + timeout
+    while True:
+        manager.network.run(manager.update(), timeout=30)
+        spans = list(manager.online_spans.values())
+        missing = [
+            (span.peer_id, nxt.peer_id)
+            for span in spans
+            for nxt in spans
+            if span.end < len(manager) and nxt.start <= span.end < nxt.end
+            if nxt.peer_id.to_base58() not in (span.server_info.next_pings or {})
+        ]
+        if len(spans) == SCENARIO.servers and not missing:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"servers did not announce their next pings in {timeout} s: {missing}")
+        time.sleep(0.5)
+
+
+def test_a_real_loopback_swarm_does_what_the_simulation_says(model_path):
+    simulated = settle(SCENARIO)
+    assert simulated.moves == 0  # a settled swarm: the live servers' balance checks must not move either
+    assert simulated.route_share == 1.0  # routing's random spread cannot change this scenario's route
+    rtt = np.array(SCENARIO.rtt_ms) / 1000
+    region_of = [region for _, region in SCENARIO.server_kinds]
+
+    with (
+        real_swarm(model_path, SCENARIO) as (dht, servers),
+        contextlib.closing(
+            AutoDistributedModelForCausalLM.from_pretrained(
+                model_path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+            )
+        ) as model,
+    ):
+        index_of = {server.peer_id: index for index, server in enumerate(servers)}
+        manager = model.remote_blocks.manager
+        wait_for_next_pings(manager)
+        spans = {index_of[str(peer)]: span for peer, span in manager.online_spans.items()}
+        assert [
+            range(spans[index].start, spans[index].end) for index in range(len(servers))
+        ] == simulated.blocks
+
+        for index, span in spans.items():  # the scenario's network is the real one
+            for peer, measured in span.server_info.next_pings.items():
+                expected = rtt[region_of[index], region_of[index_of[peer]]]
+                assert expected - 0.002 <= measured <= expected + PING_SLACK, (
+                    index,
+                    index_of[peer],
+                    measured,
+                )
+
+        hidden = torch.randn(1, 1, model.config.hidden_size)
+        with tracing.collect() as steps, model.remote_blocks.inference_session(max_length=64) as session:
+            seconds = []
+            for _ in range(WARMUP_STEPS + STEPS):
+                began = time.perf_counter()
+                session.step(hidden)
+                seconds.append(time.perf_counter() - began)
+            route = [(index_of[str(span.peer_id)], span.start, span.end) for span in session.route]
+
+    assert route == simulated.route
+    measured = statistics.median(seconds[WARMUP_STEPS:])
+    ratio = measured / simulated.seconds_per_token
+    assert 0.75 <= ratio <= 1.25, (
+        f"per token: measured {measured * 1e3:.1f} ms, simulated {simulated.seconds_per_token * 1e3:.1f} ms; "
+        f"where the measured time went: {tracing.format_means(steps[WARMUP_STEPS:])}"
+    )
