@@ -7,8 +7,8 @@ latency measured through the real swarm (median of 20 single-token steps) must b
 simulated one. The scenario's network model (a connection between two servers crosses the proxy of
 the one that joined first) is checked too, on the pings the client measured and those the servers
 announce for the hops of the route. Not on every pair of servers: two servers may each have dialed the
-other, and which connection a ping takes can change over time (a to c announced 69-71 ms, between its
-46 ms through a's proxy and 106 ms through c's).
+other, and which connection a ping takes can change over time (with c at 50 ms, a announced 69-71 ms
+to c: between 46 ms through a's proxy and 106 ms through c's).
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from petals.testing.swarm import LOOPBACK_CLIENT
 SCENARIO = load_scenario(scenario_path("loopback"))
 UPDATE_PERIOD = "2"  # seconds between announcements: next_pings are measured and announced that often
 WARMUP_STEPS, STEPS = 3, 20
-TRANSPORT_RTT_MS = (
-    6.0  # of a round trip beyond the proxies' delays: daemons, proxy lateness (see the scenario)
-)
+# of a scenario's round trip, what is not the proxies' delay: p2p daemons, proxy lateness (see the file)
+TRANSPORT_RTT_MS = 6.0
 PING_BELOW, PING_ABOVE = 0.005, 0.020  # how far a measured ping may be from the scenario's round trip
 
 
