@@ -153,6 +153,7 @@ def wait_for_pings(
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_a_real_loopback_swarm_does_what_the_simulation_says(model_path):
     simulated = settle(SCENARIO)
     assert simulated.moves == 0  # a settled swarm: the live servers' balance checks must not move either
