@@ -46,6 +46,26 @@ def test_an_adapter_no_server_has_is_named_with_the_block(swarm):
     model.close()
 
 
+def test_a_request_waits_for_the_ban_of_the_only_server_to_end(swarm):
+    """A server banned after a failure is the only one for its blocks: the next request waits for its
+    ban to end (``ban_timeout``) and is served, instead of failing with MissingBlocksError at once."""
+    path, peers = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, ban_timeout=1.0, **LOOPBACK_CLIENT
+    )
+    expected = model(torch.tensor([[5, 6, 7]])).logits
+    manager = model.remote_blocks.manager
+    (peer,) = manager.spans
+    manager.on_request_failure(peer)  # as after a failed request
+    assert manager.usable_spans() == []
+    torch.testing.assert_close(model(torch.tensor([[5, 6, 7]])).logits, expected)
+    span = manager.spans[peer]
+    manager.suspects.accuse(peer, span, "a lie")  # banned for good: nothing to wait for
+    with pytest.raises(MissingBlocksError, match="wrong outputs"):
+        model(torch.tensor([[5, 6, 7]]))
+    model.close()
+
+
 def test_max_length_beyond_every_server_is_refused(swarm):
     path, peers = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(

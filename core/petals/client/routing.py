@@ -230,7 +230,37 @@ class RemoteSequenceManager:
             return self._choose(start, end, mode, cache_tokens_needed)
         except MissingBlocksError:
             await self.update()
+        try:
             return self._choose(start, end, mode, cache_tokens_needed)
+        except MissingBlocksError:
+            ban_ends = self._ban_ends(start, end)
+            if ban_ends is None:
+                raise
+        # every server that could fill the gap failed lately: wait for the first ban to end, as a
+        # retry after a backoff would, instead of failing a request that one of them may serve now
+        wait = max(ban_ends - time.monotonic(), 0.0)
+        logger.warning(
+            "Every server for some of blocks %d:%d is banned; retrying in %.0f s", start, end, wait
+        )
+        await asyncio.sleep(wait)
+        await self.update()
+        return self._choose(start, end, mode, cache_tokens_needed)
+
+    def _ban_ends(self, start: int, end: int) -> float | None:
+        """When the first ban of a server holding some of blocks ``[start, end)`` ends (``time.monotonic``),
+        if any such server is banned (not for good: caught lying) and reachable; else None."""
+        now = time.monotonic()
+        ends = [
+            ban.until
+            for peer, ban in self.bans.items()
+            if ban.until > now
+            and peer in self.spans
+            and peer not in self.suspects
+            and not self._is_unreachable(peer)
+            and self.spans[peer].start < end
+            and start < self.spans[peer].end
+        ]
+        return min(ends, default=None)
 
     def _choose(
         self, start: int, end: int, mode: str, cache_tokens_needed: int | None
@@ -284,6 +314,10 @@ class RemoteSequenceManager:
             reason = (
                 "none of its servers answered a ping: they are unreachable from here, or refuse this "
                 "client (a private swarm serves only peers started with --membership)"
+            )
+        elif all(span.peer_id in self.suspects for span in with_adapter):
+            reason = (
+                "its servers returned wrong outputs (caught by verification): this client uses them no more"
             )
         else:
             reason = "every server hosting it failed recently and is banned for now"
