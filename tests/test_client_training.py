@@ -68,3 +68,17 @@ def test_sequence_classification_trains_a_local_head(swarm):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_the_base_model_class_runs_its_blocks_remotely(swarm):
+    """``AutoDistributedModel`` (no head): its layer list sits at ``block_prefix`` less the base prefix."""
+    from transformers import AutoModel
+
+    remote = load(petals.AutoDistributedModel, swarm)
+    local = AutoModel.from_pretrained(swarm[0], dtype=torch.float32)
+    ids = token_ids()
+    with torch.no_grad():
+        expected = local(ids).last_hidden_state
+        torch.testing.assert_close(remote(ids).last_hidden_state, expected, atol=1e-4, rtol=1e-4)
+    assert len(remote.remote_blocks) == local.config.num_hidden_layers
+    remote.close()

@@ -94,7 +94,7 @@ class DistributedModelMixin:
             if vars(module).get("config") is plain:
                 module.config = config
         self._compute_buffers()
-        parent_name, _, attribute = config.block_prefix.rpartition(".")
+        parent_name, _, attribute = self._blocks_path.rpartition(".")
         remote = RemoteSequential(config, network=network)
         setattr(
             self.get_submodule(parent_name),
@@ -114,7 +114,16 @@ class DistributedModelMixin:
 
     @property
     def remote_blocks(self) -> RemoteSequential:
-        return self.get_submodule(self.config.block_prefix)[0].remote
+        return self.get_submodule(self._blocks_path)[0].remote
+
+    @property
+    def _blocks_path(self) -> str:
+        """The layer list's module path: ``block_prefix`` (the checkpoint's, e.g. "model.layers"), less the
+        base model's prefix in a model that is the base model itself (``AutoDistributedModel``)."""
+        prefix, base = self.config.block_prefix, f"{self.base_model_prefix}."
+        if prefix.startswith(base) and not hasattr(self, self.base_model_prefix):
+            return prefix.removeprefix(base)
+        return prefix
 
     def suspects(self) -> list[Suspect]:
         """Servers this client caught returning wrong outputs (``verify``): peer id, blocks, evidence."""
