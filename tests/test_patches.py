@@ -118,10 +118,59 @@ def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
 
 
 def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_for():
-    assert [patch.module for patch in patches.IMPORT_PATCHES] == ["hivemind"]
+    assert [patch.module for patch in patches.IMPORT_PATCHES] == [
+        "hivemind",
+        "torch._dynamo",
+        "scipy.optimize",
+    ]
     for import_patch in patches.IMPORT_PATCHES:
         assert import_patch.patch.reason
         import_patch.patch.check_version()
+
+
+COMPILER_MARKS = """
+import sys
+{before}
+import torch
+import transformers.masking_utils
+from transformers.modeling_utils import PreTrainedModel
+from scipy.optimize import linear_sum_assignment
+
+print("torch._dynamo.convert_frame" in sys.modules, "scipy.optimize._optimize" in sys.modules)
+
+@torch.compiler.disable
+def eager_only(x):
+    return x + 1
+
+@torch.compiler.disable(recursive=False)
+def eager_top(x):
+    return x * 3
+
+def compiled(x):
+    return eager_top(eager_only(x * 2)) - 1
+
+explained = torch._dynamo.explain(compiled)(torch.ones(2))
+allowed = torch._dynamo.trace_rules.is_callable_allowed(PreTrainedModel.can_record_outputs.fget)
+print(explained.graph_count, explained.graph_break_count, compiled(torch.ones(2)).tolist(), allowed)
+import scipy.optimize
+same = linear_sum_assignment is scipy.optimize.linear_sum_assignment
+print(linear_sum_assignment([[3, 1], [1, 3]])[1].tolist(), scipy.optimize.minimize.__module__, same)
+"""
+
+
+def test_transformers_imports_neither_the_compiler_nor_scipy_optimize_and_compiles_the_same_when_asked():
+    deferred, eager = (
+        run_python(COMPILER_MARKS.format(before="import petals")),
+        run_python(COMPILER_MARKS.format(before="")),
+    )
+    assert deferred.splitlines()[0] == "False False"
+    assert eager.splitlines()[0] == "True True"
+    # once something compiles, the marks transformers made at import act as if made then
+    assert (
+        deferred.splitlines()[1:]
+        == eager.splitlines()[1:]
+        == ["2 1 [8.0, 8.0] True", "[1, 0] scipy.optimize._minimize True"]
+    )
 
 
 # ---- nothing else assigns into a third-party module or class -----------------------------------
