@@ -137,6 +137,7 @@ from transformers.modeling_utils import PreTrainedModel
 from scipy.optimize import linear_sum_assignment
 
 print("torch._dynamo.convert_frame" in sys.modules, "scipy.optimize._optimize" in sys.modules)
+from torch._dynamo import disable as kept_disable  # with petals: a stand-in, used once dynamo has loaded
 
 @torch.compiler.disable
 def eager_only(x):
@@ -152,6 +153,9 @@ def compiled(x):
 explained = torch._dynamo.explain(compiled)(torch.ones(2))
 allowed = torch._dynamo.trace_rules.is_callable_allowed(PreTrainedModel.can_record_outputs.fget)
 print(explained.graph_count, explained.graph_break_count, compiled(torch.ones(2)).tolist(), allowed)
+late = kept_disable(lambda x: x + 1)
+explained = torch._dynamo.explain(lambda x: late(x * 2) - 1)(torch.ones(2))
+print(explained.graph_count, explained.graph_break_count)
 import scipy.optimize
 same = linear_sum_assignment is scipy.optimize.linear_sum_assignment
 print(linear_sum_assignment([[3, 1], [1, 3]])[1].tolist(), scipy.optimize.minimize.__module__, same)
@@ -169,8 +173,32 @@ def test_transformers_imports_neither_the_compiler_nor_scipy_optimize_and_compil
     assert (
         deferred.splitlines()[1:]
         == eager.splitlines()[1:]
-        == ["2 1 [8.0, 8.0] True", "[1, 0] scipy.optimize._minimize True"]
+        == ["2 1 [8.0, 8.0] True", "2 1", "[1, 0] scipy.optimize._minimize True"]
     )
+
+
+SUBMODULES_FIRST = """
+import sys
+{before}
+import torch
+import transformers.masking_utils
+import torch._dynamo.convert_frame as convert_frame
+import scipy.optimize._minimize as minimize
+import scipy.optimize
+print(
+    convert_frame is torch._dynamo.convert_frame,
+    convert_frame.GraphRuntimeEnv is torch._dynamo.aot_compile.GraphRuntimeEnv,  # executed once
+    convert_frame.__spec__.name,
+    torch._dynamo.disable.__module__,
+    minimize.minimize is scipy.optimize.minimize,
+)
+"""
+
+
+def test_importing_a_submodule_of_a_deferred_package_runs_the_package_first_as_python_does():
+    expected = "True True torch._dynamo.convert_frame torch._dynamo.decorators True"
+    assert run_python(SUBMODULES_FIRST.format(before="import petals")).strip() == expected
+    assert run_python(SUBMODULES_FIRST.format(before="")).strip() == expected
 
 
 # ---- nothing else assigns into a third-party module or class -----------------------------------
