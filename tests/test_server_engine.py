@@ -171,19 +171,61 @@ def test_requests_for_other_blocks_or_adapters_are_refused(engine):
         engine.forward(UIDS, {"active_adapter": "lora"}, [torch.randn(1, 1, 64)])
 
 
-def test_forward_and_backward_run_one_task_per_block(engine, blocks):
+@pytest.mark.parametrize(
+    ("graph_bytes", "backward_tasks"),
+    [
+        (1 << 30, 2 + 2),  # each block forward once, keeping its graph, then a backward per block
+        (0, 1 + 1 + 1),  # past the budget: block 0 keeps its graph; block 1 is recomputed in its backward
+    ],
+)
+def test_forward_and_backward_run_one_task_per_block(blocks, graph_bytes, backward_tasks):
+    budget = CacheBudget(list(blocks.backends.values()), tokens_per_block=4096)
+    engine = ServingEngine(
+        blocks,
+        budget,
+        LIMITS,
+        Scheduler(max_threads=1),
+        dht_prefix="tiny",
+        clock=FakeClock(),
+        backward_graph_bytes=graph_bytes,
+    )
     hidden = torch.randn(2, 4, 64, requires_grad=True)
     forward = engine.forward(UIDS, {}, [hidden.detach()])
     assert len(drain(engine)) == 2
     grad = torch.randn(2, 4, 64)
     backward = engine.backward(UIDS, {}, [hidden.detach(), grad])
-    assert len(drain(engine)) == 1 + 2  # the first block's forward again, then a backward per block
+    assert len(drain(engine)) == backward_tasks
     expected = hidden
     for backend in blocks.backends.values():
         expected = backend.module(expected, None)
     torch.testing.assert_close(forward.result()[0], expected.detach(), atol=1e-5, rtol=0)
     (expected_grad,) = torch.autograd.grad(expected, hidden, grad)
     torch.testing.assert_close(backward.result()[0], expected_grad, atol=1e-5, rtol=0)
+    assert engine.graphs.used == 0
+
+
+def test_backward_requests_share_the_graph_budget_and_give_it_back(engine, blocks):
+    one_block = blocks.backends["tiny.0"].forward_with_graph(torch.randn(2, 4, 64), None).saved_bytes
+    engine.graphs.limit = 2 * one_block  # room for one request's two blocks
+    first = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    second = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    assert len(drain(engine)) == 4 + 3  # one of them keeps one graph only, and recomputes its last block
+    assert first.result()[0].shape == second.result()[0].shape == (2, 4, 64)
+    assert engine.graphs.used == 0
+    cancelled = engine.backward(UIDS, {}, [torch.randn(2, 4, 64), torch.randn(2, 4, 64)])
+    engine.step(engine.schedule(engine.clock()))  # its first block's graph is held ...
+    assert engine.graphs.used > 0
+    cancelled.cancel()
+    assert engine.schedule(engine.clock()) is None and engine.graphs.used == 0  # ... until it is dropped
+
+
+def test_a_kept_graph_counts_activations_not_weights(blocks):
+    backend = blocks.backends["tiny.0"]
+    graph = backend.forward_with_graph(torch.randn(2, 4, 64), None)
+    weights = sum(p.numel() * p.element_size() for p in backend.module.parameters())
+    assert 2 * 4 * 64 * 4 <= graph.saved_bytes < weights  # at least the input; no weight counted
+    bigger = backend.forward_with_graph(torch.randn(4, 4, 64), None)
+    assert bigger.saved_bytes >= 2 * graph.saved_bytes * 0.9
 
 
 def test_a_session_out_of_pages_fails_alone_in_a_merged_batch(blocks):

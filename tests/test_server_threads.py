@@ -1,4 +1,4 @@
-"""Small steps run on one torch thread or on all, whichever their own times favour (``--decode_threads``).
+"""Steps run on one torch thread or on all, whichever their own times favour (``--decode_threads``: small ones).
 
 ``ThreadChoice`` is fed the times a kind of task took: it tries both counts first, then uses the
 faster, revisits the other now and then, and follows when the machine's load turns the tables. A
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from petals.data_structures import make_uids
-from petals.server.scheduler import ThreadChoice
+from petals.server.scheduler import SMALL_TASK_TOKENS, Priority, Scheduler, ThreadChoice, call
 from petals.testing.swarm import inprocess_swarm
 from petals.testing.wire_client import WireClient
 
@@ -63,6 +63,26 @@ def test_a_fixed_count_or_a_single_core_needs_no_learning(max_threads, fixed, ex
     choice = ThreadChoice(max_threads, fixed)
     assert run(choice, 5, {expected: 0.001}) == [expected] * 5
     assert choice.describe(KIND) == {"decode_threads": expected}
+
+
+def large_task_threads(scheduler: Scheduler, tasks: int, seconds_on: dict[int, float]) -> list[int]:
+    """The counts ``tasks`` forward tasks of a training step's size ran on, each taking ``seconds_on[count]``."""
+    counts = []
+    for index in range(tasks):
+        scheduler.push(call(Priority.FORWARD, 4 * SMALL_TASK_TOKENS, lambda: None), now=float(index))
+        batch = scheduler.next_batch(float(index))
+        scheduler.finished(batch, seconds_on[batch.threads])
+        counts.append(batch.threads)
+    return counts
+
+
+def test_larger_tasks_learn_their_count_too_unless_it_is_fixed():
+    """On cores other work shares, a hundred-token block can run faster on one thread than on all."""
+    counts = large_task_threads(Scheduler(max_threads=2), 40, {1: 0.010, 2: 0.050})
+    assert counts[: 2 * ThreadChoice.EXPLORE] == [1, 2] * ThreadChoice.EXPLORE
+    assert counts[2 * ThreadChoice.EXPLORE :].count(1) >= 40 - 2 * ThreadChoice.EXPLORE - 2
+    fixed = Scheduler(max_threads=2, small_task_threads=1)  # --decode_threads 1: small tasks only
+    assert large_task_threads(fixed, 5, {1: 0.010, 2: 0.050}) == [2] * 5
 
 
 @pytest.mark.slow

@@ -10,7 +10,15 @@ from click.testing import CliRunner
 from scipy.optimize import linprog
 
 from petals.cli import main
-from petals.simulate import Scenario, run_policy, simulate, throughput_bound
+from petals.simulate import (
+    Scenario,
+    load_scenario,
+    run_policy,
+    scenario_path,
+    settle,
+    simulate,
+    throughput_bound,
+)
 
 SMALL = Scenario(servers=40, blocks=12, hours=1.0, clients=30, warmup_hours=0.25)
 MEASURED_IN_WALL_TIME = {"wall_seconds", "routing_ms_p95", "routing_cpu_ms_p95"}
@@ -111,3 +119,34 @@ def test_the_cli_reads_a_scenario_file_and_explains_a_bad_one(tmp_path):
     result = CliRunner().invoke(main, ["simulate", "--scenario", str(scenario), "--json", str(out)])
     assert result.exit_code == 1
     assert "unknown scenario keys ['warp_speed']" in result.output
+
+
+def test_a_listed_swarm_joins_in_order_and_the_cli_runs_it(tmp_path):
+    scenario = load_scenario(scenario_path("loopback"))
+    settled = settle(scenario)
+    assert scenario.servers == len(scenario.server_list) == len(settled.blocks) == 5
+    assert settled.blocks[0] == range(0, 4)  # the first server takes the lowest weakest window
+    assert settled.moves == 0 and settled.route_share == 1.0
+    out = tmp_path / "out.json"
+    args = ["simulate", "--scenario", str(scenario_path("loopback")), "--policy", "ours", "--clients", "1"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    ours = json.loads(out.read_text())["policies"]["ours"]
+    assert ours["sessions"] > 0
+    assert ours["latency_p50"] == pytest.approx(settled.seconds_per_token)  # one client: no other load
+
+
+def test_a_server_list_must_name_known_kinds_and_regions(tmp_path):
+    scenario = tmp_path / "listed.yml"
+    scenario.write_text("server_list:\n  - {gpu: h100, region: europe}\n")
+    with pytest.raises(ValueError, match="server_list entry"):
+        load_scenario(scenario)
+    scenario.write_text("server_list:\n  - {gpu: t4-16gb, region: europe}\nclient_region: mars\n")
+    with pytest.raises(ValueError, match="client_region 'mars'"):
+        load_scenario(scenario)
+    scenario.write_text("server_list:\n  - {gpu: t4-16gb, region: europe}\n")
+    assert load_scenario(scenario).servers == 1
+    with pytest.raises(ValueError, match="leave out the number of servers"):
+        load_scenario(scenario, servers=10)
+    with pytest.raises(ValueError, match="settle needs"):
+        settle(load_scenario(scenario))

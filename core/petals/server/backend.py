@@ -14,6 +14,7 @@ whose sessions hold one cache per shard. Sessions' caches take pages from the bl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,15 @@ from transformers import PretrainedConfig
 from petals.block import allocate_cache, kv_cache_layout
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
 from petals.kv_cache import BlockCache, PagedCache, PagePool
+
+
+@dataclass(frozen=True)
+class BlockGraph:
+    """A block's input and output with the autograd graph between them, and the activation bytes it holds."""
+
+    block_input: torch.Tensor
+    output: torch.Tensor
+    saved_bytes: int
 
 
 @dataclass
@@ -53,19 +63,47 @@ class BlockBackend:
         with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), None)
 
+    def forward_with_graph(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> BlockGraph:
+        """The block's output with its autograd graph kept, for ``backward_graph`` later."""
+        block_input = self._input(hidden, prompt).detach().requires_grad_(True)
+        weights = self._weight_storages
+        saved = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            if tensor.untyped_storage().data_ptr() not in weights:
+                saved += tensor.untyped_storage().nbytes()
+            return tensor
+
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            using_adapter(self.module, self.adapter) as module,
+        ):
+            output = module(block_input, None)
+        return BlockGraph(block_input, output, saved)
+
+    def backward_graph(self, graph: BlockGraph, grad_output: torch.Tensor) -> torch.Tensor:
+        """Gradient of ``sum(graph.output * grad_output)`` w.r.t. the block's input (prompt added)."""
+        grad = grad_output.to(self.device, graph.output.dtype)
+        (grad_input,) = torch.autograd.grad(graph.output, graph.block_input, grad)
+        return grad_input
+
     def backward(
         self, hidden: torch.Tensor, prompt: torch.Tensor | None, grad_output: torch.Tensor
     ) -> torch.Tensor:
-        """Gradient of ``sum(output * grad_output)`` w.r.t. the block's input.
+        """Gradient of ``sum(output * grad_output)`` w.r.t. the block's input, recomputing the output.
 
         The input enters as ``hidden + prompt`` on the first positions, so this is also the deep
         prompt's gradient there (unreduced over the batch, as Petals returns it).
         """
-        hidden = self._input(hidden, prompt).requires_grad_(True)
-        with torch.enable_grad(), using_adapter(self.module, self.adapter) as module:
-            output = module(hidden, None)
-            (grad_input,) = torch.autograd.grad(output, hidden, grad_output.to(self.device, output.dtype))
-        return grad_input
+        return self.backward_graph(self.forward_with_graph(hidden, prompt), grad_output)
+
+    @functools.cached_property
+    def _weight_storages(self) -> frozenset[int]:
+        """Where the module's parameters and buffers live: autograd saves them, but they are no activations."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        return frozenset(tensor.untyped_storage().data_ptr() for tensor in tensors)
 
     def inference_step(
         self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: PagedCache | ShardedCache

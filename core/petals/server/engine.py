@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from petals.server.backend import BlockBackend, HostedBlocks
+from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks
 from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
 from petals.server.scheduler import Batch, Priority, Scheduler, Task, call
@@ -53,6 +53,9 @@ from petals.wire import WireError
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
 PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)
 
+# activations that backward requests may keep, together, between their forward and backward passes;
+# blocks past this are recomputed during the backward pass instead (Petals recomputes every block)
+BACKWARD_GRAPH_BYTES = 1 << 30
 # what a job yields (a task to run) and, in the end, returns (the request's result)
 Job = Generator[Task, Any, Any]
 # counters reported under rpc_info's "stats" (stock Petals peers ignore that key)
@@ -88,7 +91,9 @@ class ServingEngine:
         dht_prefix: str,
         metrics: ServerMetrics = NO_METRICS,
         clock: Callable[[], float] = time.perf_counter,
+        backward_graph_bytes: int = BACKWARD_GRAPH_BYTES,
     ) -> None:
+        self.graphs = GraphBudget(backward_graph_bytes)  # shared by all backward requests
         self.blocks, self.budget, self.limits, self.scheduler = blocks, budget, limits, scheduler
         self.dht_prefix, self.metrics, self.clock = dht_prefix, metrics, clock
         self.sessions = SessionRegistry()
@@ -118,7 +123,7 @@ class ServingEngine:
         """Gradients w.r.t. the inputs (and the deep prompts, if any) for ``(inputs, grad_outputs, prompts)``."""
         backends = self.backends(uid_chain, metadata)
         args, grad = backward_args(tensors, metadata.get("args_structure"), len(backends), *self._sizes)
-        return self._submit(_backward_job(backends, args, grad))
+        return self._submit(_backward_job(backends, args, grad, self.graphs))
 
     async def open_session(
         self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]
@@ -303,16 +308,61 @@ def _forward_job(backends: Sequence[BlockBackend], args: StepArgs) -> Job:
     return [hidden]
 
 
-def _backward_job(backends: Sequence[BlockBackend], args: StepArgs, grad_output: torch.Tensor) -> Job:
-    tokens, prompts = args.tokens, args.prompts
-    inputs = [args.hidden]
-    for backend, prompt in zip(backends[:-1], prompts[:-1], strict=True):
-        inputs.append((yield call(Priority.FORWARD, tokens, _bind(backend.forward, inputs[-1], prompt))))
+class GraphBudget:
+    """Activation bytes that backward requests keep between their forward and backward passes, all together."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return self.used + nbytes <= self.limit
+
+    def hold(self, nbytes: int) -> None:
+        with self._lock:
+            self.used += nbytes
+
+
+def _backward_job(
+    backends: Sequence[BlockBackend], args: StepArgs, grad_output: torch.Tensor, graphs: GraphBudget
+) -> Job:
+    """Each block forward once, keeping its autograd graph while ``graphs`` has room, then backward
+    block by block; a block whose graph was not kept is recomputed in its backward task."""
+    tokens, last = args.tokens, len(backends) - 1
+    hidden, steps, kept, estimate = args.hidden, [], 0, 0  # estimate: one block's graph, the first's
+    try:
+        for index, (backend, prompt) in enumerate(zip(backends, args.prompts, strict=True)):
+            graph = None
+            if graphs.fits(estimate):
+                graph = yield call(
+                    Priority.FORWARD, tokens, _bind(backend.forward_with_graph, hidden, prompt)
+                )
+                graphs.hold(graph.saved_bytes)
+                kept, estimate = kept + graph.saved_bytes, estimate or graph.saved_bytes
+            steps.append((backend, hidden, graph))
+            if graph is not None:
+                hidden = graph.output.detach()
+            elif index < last:
+                hidden = yield call(Priority.FORWARD, tokens, _bind(backend.forward, hidden, prompt))
+        return (yield from _backward_pass(steps, args.prompts, grad_output, tokens))
+    finally:
+        graphs.hold(-kept)
+
+
+def _backward_pass(
+    steps: list[tuple[BlockBackend, torch.Tensor, BlockGraph | None]],
+    prompts: list[torch.Tensor | None],
+    grad_output: torch.Tensor,
+    tokens: int,
+) -> Job:
     grad_prompts = []
-    for backend, prompt, block_input in reversed(list(zip(backends, prompts, inputs, strict=True))):
-        grad_output = yield call(
-            Priority.FORWARD, tokens, _bind(backend.backward, block_input, prompt, grad_output)
-        )
+    for (backend, block_input, graph), prompt in reversed(list(zip(steps, prompts, strict=True))):
+        if graph is not None:
+            run = _bind(backend.backward_graph, graph, grad_output)
+        else:
+            run = _bind(backend.backward, block_input, prompt, grad_output)
+        grad_output = yield call(Priority.FORWARD, tokens, run)
         if prompt is not None:
             grad_prompts.append(grad_output[:, : prompt.shape[-2]])
     if not grad_prompts:

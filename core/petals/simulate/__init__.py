@@ -4,18 +4,24 @@ rebalancing and routing policies (``petals.policies``) over a scenario, without 
 ``simulate(scenario, ["ours", "petals22"])`` returns, per policy, the metrics ``petals simulate --json``
 writes (``coverage``, ``throughput``, ``throughput_bound``, ``latency_p50``, ``latency_p95``,
 ``moves_per_server_hour``, ``routing_ms_p95``, and the series over time).
+
+``settle(scenario)`` runs a scenario's listed servers (``server_list``) without clients and says where
+they ended up, the route a client of ``client_region`` takes and its per-token latency: what a real
+swarm of the same servers should show (``tests/test_simulate_reality.py`` checks that it does).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from petals.policies import PLACEMENTS, ROUTINGS
-from petals.simulate.scenario import GpuKind, Region, Scenario, load_scenario
+from petals.simulate.scenario import GpuKind, Region, Scenario, ServerSpec, load_scenario, scenario_path
 from petals.simulate.swarm import Metrics, SimulatedSwarm, throughput_bound
 
 POLICIES = ("ours", "petals22")
@@ -25,8 +31,12 @@ __all__ = [
     "GpuKind",
     "Region",
     "Scenario",
+    "ServerSpec",
+    "Settled",
     "load_scenario",
     "run_policy",
+    "scenario_path",
+    "settle",
     "simulate",
     "throughput_bound",
 ]
@@ -42,6 +52,43 @@ def run_policy(scenario: Scenario, policy: str) -> dict:
     began = time.perf_counter()
     metrics = SimulatedSwarm(scenario, placement, routing).run()
     return summarize(metrics, time.perf_counter() - began)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A listed swarm after ``hours``: servers are numbered in join order."""
+
+    blocks: list[range]  # each server's blocks
+    moves: int  # rebalancing moves over the whole run
+    route: list[tuple[int, int, int]]  # (server, start, end): the route most routing draws gave
+    route_share: float  # the fraction of draws that gave ``route`` (routing may be randomized)
+    seconds_per_token: float  # on ``route``, for a client of ``client_region``
+
+
+def settle(scenario: Scenario, policy: str = "ours", draws: int = 32) -> Settled:
+    """Join ``scenario``'s listed servers one by one, let them check their balance for ``hours`` (no
+    clients, no churn), then route ``draws`` new sessions from ``client_region``."""
+    if not scenario.server_list or scenario.client_region is None or scenario.churn != 0:
+        raise ValueError("settle needs a scenario with a server_list, a client_region and churn 0")
+    options = scenario.policy_options.get(policy, {})
+    swarm = SimulatedSwarm(
+        scenario.replace(clients=0, warmup_hours=0),
+        PLACEMENTS[policy](**options.get("placement", {})),
+        ROUTINGS[policy](**options.get("routing", {})),
+    )
+    metrics = swarm.run()
+    region = [region.name for region in scenario.regions].index(scenario.client_region)
+    rng = np.random.default_rng([scenario.seed, 11])
+    routes = [swarm.route_from(region, rng) for _ in range(draws)]
+    counts = Counter(tuple(route) for route, _ in routes)
+    route, count = counts.most_common(1)[0]
+    return Settled(
+        blocks=[range(int(swarm.starts[slot]), int(swarm.ends[slot])) for slot in range(swarm.count)],
+        moves=metrics.moves,
+        route=list(route),
+        route_share=count / draws,
+        seconds_per_token=next(seconds for taken, seconds in routes if tuple(taken) == route),
+    )
 
 
 def summarize(m: Metrics, wall_seconds: float) -> dict:

@@ -2,6 +2,10 @@
 round trips), how servers come and go (churn, crashes) and what clients do (inference sessions).
 
 ``load_scenario`` reads a YAML file whose keys override the defaults (unknown keys are an error).
+
+A scenario may list its servers (``server_list``: each one's GPU kind and region, in join order)
+instead of drawing ``servers`` of them from the shares; ``client_region`` puts every client in one
+region. ``scenarios/*.yml`` next to this module are ready-made scenarios (``scenario_path(name)``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from petals.policies.routing import HOP_OVERHEAD
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,14 @@ class Region:
     name: str
     server_share: float
     client_share: float
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of an explicit ``server_list``: the names of its GPU kind and of its region."""
+
+    gpu: str
+    region: str
 
 
 DEFAULT_GPUS = (
@@ -79,13 +93,27 @@ class Scenario:
     ban_seconds: float = 15.0
     sample_seconds: float = 60.0
     server_rtt_jitter_ms: float = 10.0  # added to each server's round trips (its own link)
+    hop_overhead_ms: float = HOP_OVERHEAD * 1000  # per server a token crosses, beyond compute and network
     gpus: tuple[GpuKind, ...] = DEFAULT_GPUS
     regions: tuple[Region, ...] = DEFAULT_REGIONS
     rtt_ms: tuple[tuple[float, ...], ...] = DEFAULT_RTT_MS
     policy_options: dict = field(default_factory=dict)
+    server_list: tuple[ServerSpec, ...] = ()  # servers joining in this order; ``servers`` is its length
+    client_region: str | None = None  # every client's region (None: drawn from the client shares)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.server_list:
+            object.__setattr__(self, "servers", len(self.server_list))
+        gpu_names, region_names = {gpu.name for gpu in self.gpus}, {region.name for region in self.regions}
+        for spec in self.server_list:
+            if spec.gpu not in gpu_names or spec.region not in region_names:
+                problems.append(
+                    f"server_list entry {spec}: gpu must be one of {sorted(gpu_names)} "
+                    f"and region one of {sorted(region_names)}"
+                )
+        if self.client_region is not None and self.client_region not in region_names:
+            problems.append(f"client_region {self.client_region!r} is not one of {sorted(region_names)}")
         if self.servers < 1 or self.blocks < 1 or self.hours <= 0:
             problems.append("servers and blocks must be >= 1 and hours > 0")
         if self.warmup_hours < 0:
@@ -100,6 +128,13 @@ class Scenario:
             problems.append("need 1 <= session_tokens_min <= session_tokens_max")
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
+
+    @property
+    def server_kinds(self) -> list[tuple[int, int]]:
+        """(GPU kind index, region index) of each listed server, in join order."""
+        gpus = [gpu.name for gpu in self.gpus]
+        regions = [region.name for region in self.regions]
+        return [(gpus.index(spec.gpu), regions.index(spec.region)) for spec in self.server_list]
 
     @property
     def warmup_seconds(self) -> float:
@@ -126,4 +161,16 @@ def load_scenario(path: str | Path, **overrides) -> Scenario:
         data["regions"] = tuple(Region(**region) for region in data["regions"])
     if "rtt_ms" in data:
         data["rtt_ms"] = tuple(tuple(row) for row in data["rtt_ms"])
+    if "server_list" in data:
+        data["server_list"] = tuple(ServerSpec(**spec) for spec in data["server_list"])
+        if overrides.get("servers") is not None:
+            raise ValueError(f"{path}: lists its servers (server_list); leave out the number of servers")
     return Scenario(**data).replace(**overrides)
+
+
+def scenario_path(name: str) -> Path:
+    """The ready-made scenario ``scenarios/<name>.yml``."""
+    path = Path(__file__).parent / "scenarios" / f"{name}.yml"
+    if not path.is_file():
+        raise ValueError(f"no scenario named {name!r} in {path.parent}")
+    return path

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from petals.policies.placement import MoveHistory, Placement, SwarmView, block_sums
-from petals.policies.routing import HOP_OVERHEAD, RouteCandidates, Routing
+from petals.policies.routing import RouteCandidates, Routing
 from petals.simulate.scenario import Scenario
 
 NO_RECORD, JOINING, ONLINE = 0, 1, 2
@@ -97,6 +97,8 @@ class SimulatedSwarm:
             ]
         )
         self.rtt = np.array(scenario.rtt_ms, float) / 1000
+        self.hop_overhead = scenario.hop_overhead_ms / 1000
+        self.listed = scenario.server_kinds  # (GPU kind, region) of each listed server, in join order
         self.client_region = np.zeros(scenario.clients, int)
         self.client_rngs: list[np.random.Generator] = []
         self.bans: list[dict[int, float]] = [{} for _ in range(scenario.clients)]
@@ -113,13 +115,16 @@ class SimulatedSwarm:
     def run(self) -> Metrics:
         s = self.scenario
         rng = np.random.default_rng([s.seed, 1])
-        for _ in range(s.servers):
-            self.push(float(rng.uniform(0, s.ramp_seconds)), "join")
+        for index in range(s.servers):
+            at = float(rng.uniform(0, s.ramp_seconds))
+            self.push(index * s.ramp_seconds / s.servers if self.listed else at, "join")
         shares = np.array([region.client_share for region in s.regions])
         for client in range(s.clients):
             client_rng = np.random.default_rng([s.seed, 2, client])
             self.client_rngs.append(client_rng)
             self.client_region[client] = client_rng.choice(len(shares), p=shares / shares.sum())
+            if s.client_region is not None:
+                self.client_region[client] = [region.name for region in s.regions].index(s.client_region)
             self.push(s.ramp_seconds + float(client_rng.uniform(0, s.think_seconds)), "session", client)
         self.push(self.warmup, "sample")
         end = s.hours * 3600
@@ -150,6 +155,8 @@ class SimulatedSwarm:
         region_shares = np.array([region.server_share for region in s.regions])
         self.gpu[slot] = rng.choice(len(gpu_shares), p=gpu_shares / gpu_shares.sum())
         self.region[slot] = rng.choice(len(region_shares), p=region_shares / region_shares.sum())
+        if self.listed:  # a listed server's replacement is of the same kind, in the same region
+            self.gpu[slot], self.region[slot] = self.listed[slot % len(self.listed)]
         self.jitter[slot] = rng.uniform(0, s.server_rtt_jitter_ms) / 1000
         lifetime = rng.exponential(3600 / s.churn) if s.churn > 0 else np.inf
         crash = bool(rng.random() < s.crash_fraction)
@@ -259,7 +266,7 @@ class SimulatedSwarm:
             self.sessions[slot] += 1
             self.cache_left[slot] -= self.cache_need(session, end - start)
             self.users.setdefault(slot, set()).add(client)
-        session.seconds_per_token = self.token_seconds(client, route)
+        session.seconds_per_token = self.token_seconds(self.client_region[client], route)
         session.segment_started = self.now + penalty
         finish = session.segment_started + session.tokens_left * session.seconds_per_token
         self.push(finish, "session_end", client, session.epoch)
@@ -301,28 +308,44 @@ class SimulatedSwarm:
             else:
                 usable[slot] = False
         slots = np.flatnonzero(usable)
+        return slots, self.route_candidates(slots, self.client_region[client])
+
+    def route_candidates(self, slots: np.ndarray, client_region: int) -> RouteCandidates:
         regions = self.region[slots]
-        candidates = RouteCandidates(
+        return RouteCandidates(
             starts=self.starts[slots],
             ends=self.ends[slots],
             step_seconds=1.0 / self.inference_rps[self.gpu[slots]],
-            client_rtt=self.rtt[self.client_region[client], regions] + self.jitter[slots],
+            client_rtt=self.rtt[client_region, regions] + self.jitter[slots],
             sites=regions,
             hop_seconds=self.rtt / 2,
         )
-        return slots, candidates
 
-    def token_seconds(self, client: int, route: list[tuple[int, int, int]]) -> float:
-        """What one token really takes on ``route`` now: network, compute, and the server's load."""
+    def route_from(
+        self, client_region: int, rng: np.random.Generator
+    ) -> tuple[list[tuple[int, int, int]], float]:
+        """A new session's route from ``client_region`` over the ONLINE servers now, and what one token
+        takes on it (the session counted among its servers' sessions)."""
+        slots = np.flatnonzero(self.alive[: self.count] & (self.state[: self.count] == ONLINE))
+        chosen = self.routing.route(self.route_candidates(slots, client_region), 0, self.scenario.blocks, rng)
+        route = [(int(slots[index]), start, end) for index, start, end in chosen]
+        used = [slot for slot, _, _ in route]
+        self.sessions[used] += 1
+        seconds = self.token_seconds(client_region, route)
+        self.sessions[used] -= 1
+        return route, seconds
+
+    def token_seconds(self, region: int, route: list[tuple[int, int, int]]) -> float:
+        """What one token really takes on ``route`` from a client in ``region`` now: network, compute,
+        the server's load, and each server's overhead."""
         penalty = self.scenario.batch_penalty
         slots = [slot for slot, _, _ in route]
         first, last = slots[0], slots[-1]
-        region = self.client_region[client]
         seconds = (self.rtt[region, self.region[first]] + self.jitter[first]) / 2
         seconds += (self.rtt[region, self.region[last]] + self.jitter[last]) / 2
         for slot, start, end in route:
             step = (end - start) / self.inference_rps[self.gpu[slot]]
-            seconds += step * (1 + penalty * (self.sessions[slot] - 1)) + HOP_OVERHEAD
+            seconds += step * (1 + penalty * (self.sessions[slot] - 1)) + self.hop_overhead
         for a, b in itertools.pairwise(slots):
             seconds += (self.rtt[self.region[a], self.region[b]] + self.jitter[a] + self.jitter[b]) / 2
         return float(seconds)

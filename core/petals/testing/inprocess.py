@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
+
+if TYPE_CHECKING:
+    from petals.server.throughput import ThroughputInfo
 
 READY_SECONDS = 180.0
 
@@ -110,13 +115,25 @@ class InProcessServer(InProcessPeer):
 
     name = "server"
 
-    def __init__(self, model: str | Path, initial_peers: Sequence[str], *args: str) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        initial_peers: Sequence[str],
+        *args: str,
+        throughput: ThroughputInfo | None = None,
+    ) -> None:
+        """``throughput``: announce these numbers (``forward_rps``, ``inference_rps`` too), measuring nothing."""
         from petals.cli.run_server import settings_from_argv
         from petals.server.server import Server
 
         super().__init__()
         peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
-        self.server = Server(settings_from_argv([str(model), "--loopback", *peers, *args]))
+        if throughput is not None:
+            args = (*args, "--throughput", str(throughput.throughput))
+        settings = settings_from_argv([str(model), "--loopback", *peers, *args])
+        if throughput is not None:
+            settings = dataclasses.replace(settings, throughput=throughput)
+        self.server = Server(settings)
         self.peer_id: str | None = None
 
     async def serve(self) -> None:
