@@ -201,6 +201,34 @@ def test_importing_a_submodule_of_a_deferred_package_runs_the_package_first_as_p
     assert run_python(SUBMODULES_FIRST.format(before="")).strip() == expected
 
 
+THREADS_AT_ONCE = """
+import threading
+import petals, torch, transformers.masking_utils
+results = []
+
+def submodule():
+    import torch._dynamo.eval_frame as eval_frame
+    results.append(eval_frame is torch._dynamo.eval_frame)
+
+def name():
+    results.append(torch._dynamo.is_compiling.__module__)
+
+threads = [threading.Thread(target=target) for target in (submodule, name, submodule, name)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(60)
+print(sorted(map(str, results)), any(thread.is_alive() for thread in threads))
+"""
+
+
+def test_threads_that_load_a_deferred_package_at_once_all_get_it_loaded_once():
+    lines = subprocess.run(
+        [sys.executable, "-c", THREADS_AT_ONCE], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert lines == ["['True', 'True', 'torch._dynamo.external_utils', 'torch._dynamo.external_utils'] False"]
+
+
 # ---- nothing else assigns into a third-party module or class -----------------------------------
 
 

@@ -309,8 +309,12 @@ class _InitOnAccess:
             )
         return getattr(self.module, name)
 
-    def load(self) -> types.ModuleType:
-        with self.lock:
+    def load(self, wait: bool = True) -> types.ModuleType:
+        """Run its ``__init__`` unless it has run or is running; ``wait=False``: unless another thread runs it
+        (an import there proceeds meanwhile, as Python's does while a package initializes in another thread)."""
+        if not self.lock.acquire(blocking=wait):
+            return self.module
+        try:
             if self.state == "deferred":
                 self.state = "running"
                 try:
@@ -320,6 +324,8 @@ class _InitOnAccess:
                         del self.module.__getattr__
                     self.state = "done"
                 self.loaded(self.module)
+        finally:
+            self.lock.release()
         return self.module
 
 
@@ -443,7 +449,7 @@ class _ImportPatchFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         package = _deferred_packages.get(name.rpartition(".")[0])
         if package is not None and name not in package.independent:
-            package.load()
+            package.load(wait=False)  # the thread importing this submodule holds its module lock
             if name in sys.modules:  # the package's __init__ has just imported it
                 return _AlreadyImported(sys.modules[name]).spec
         patch = self.patches.get(name)
