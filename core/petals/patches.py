@@ -22,14 +22,15 @@ neither hivemind nor torch). Nothing else in petals assigns into a third-party m
 (``tests/test_patches.py`` checks it).
 
 Three more change only how a package is imported, so that a process imports what it uses (a server
-starts with 60 MiB less and 0.5 s sooner; docs/performance.md has the measurements):
+starts with about 45 MiB less and 0.5 s sooner; docs/performance.md has the measurements):
 
 * ``hivemind``'s ``__init__`` is not run. It imports every subsystem (averaging, which imports scipy;
   moe; optim) to export eleven names, and petals uses none of them; they are imported on first
   access instead (``hivemind.DHT`` and ``from hivemind import DHT`` still work);
 * ``torch._dynamo``'s ``__init__`` (the compiler: 25 MiB and 0.4 s after what transformers imports anyway)
-  runs on the first access to one of its names, not when transformers imports a submodule of it
-  (``masking_utils``) or marks functions at import time with ``torch.compiler.disable``,
+  runs on the first access to one of its names or import of one of its submodules, as Python would run
+  it, but not when transformers imports the one submodule it needs (``_trace_wrapped_higher_order_op``,
+  from ``masking_utils``) or marks functions at import time with ``torch.compiler.disable``,
   ``allow_in_graph`` and ``torch._dynamo.assume_constant_result``. Until it runs, those three mark
   nothing: nothing can be compiling while the compiler is not imported. When it runs (``torch.compile``,
   any other name), the marks are applied as if made then, and a function ``disable`` wrapped calls
