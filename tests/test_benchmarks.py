@@ -68,3 +68,34 @@ def test_compute_floor_times_generate_its_layers_and_the_server_blocks():
     assert lines[0].startswith("quick-llama, 6 blocks"), result.stdout
     assert any("1 threads: transformers generate" in line and "the server's blocks" in line for line in lines)
     assert any(line.startswith("  swarm before transport, servers at 1 threads") for line in lines)
+
+
+@pytest.mark.parametrize("unpatched", [False, True])
+def test_import_cost_lists_what_each_group_of_a_servers_imports_adds(unpatched):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.import_cost", *(["--unpatched"] if unpatched else [])],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"import patches: {'hivemind only' if unpatched else 'all'}"
+    assert [line.split()[0] for line in lines[1:-1]] == [
+        "interpreter,",
+        "torch",
+        "transformers",
+        "sympy",
+        "torch.distributed.tensor,",
+        "transformers'",
+        "transformers.masking_utils",
+        "modeling_llama",
+        "hivemind",
+        "petals",
+        "total",
+    ]
+    compiler = "yes" if unpatched else "no"
+    assert lines[-1].startswith(
+        f"  imported: torch._dynamo.convert_frame {compiler}, scipy.optimize._optimize {compiler}"
+    )

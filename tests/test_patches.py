@@ -118,10 +118,115 @@ def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
 
 
 def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_for():
-    assert [patch.module for patch in patches.IMPORT_PATCHES] == ["hivemind"]
+    assert [patch.module for patch in patches.IMPORT_PATCHES] == [
+        "hivemind",
+        "torch._dynamo",
+        "scipy.optimize",
+    ]
     for import_patch in patches.IMPORT_PATCHES:
         assert import_patch.patch.reason
         import_patch.patch.check_version()
+
+
+COMPILER_MARKS = """
+import sys
+{before}
+import torch
+import transformers.masking_utils
+from transformers.modeling_utils import PreTrainedModel
+from scipy.optimize import linear_sum_assignment
+
+print("torch._dynamo.convert_frame" in sys.modules, "scipy.optimize._optimize" in sys.modules)
+from torch._dynamo import disable as kept_disable  # with petals: a stand-in, used once dynamo has loaded
+
+@torch.compiler.disable
+def eager_only(x):
+    return x + 1
+
+@torch.compiler.disable(recursive=False)
+def eager_top(x):
+    return x * 3
+
+def compiled(x):
+    return eager_top(eager_only(x * 2)) - 1
+
+explained = torch._dynamo.explain(compiled)(torch.ones(2))
+allowed = torch._dynamo.trace_rules.is_callable_allowed(PreTrainedModel.can_record_outputs.fget)
+print(explained.graph_count, explained.graph_break_count, compiled(torch.ones(2)).tolist(), allowed)
+late = kept_disable(lambda x: x + 1)
+explained = torch._dynamo.explain(lambda x: late(x * 2) - 1)(torch.ones(2))
+print(explained.graph_count, explained.graph_break_count)
+import scipy.optimize
+same = linear_sum_assignment is scipy.optimize.linear_sum_assignment
+print(linear_sum_assignment([[3, 1], [1, 3]])[1].tolist(), scipy.optimize.minimize.__module__, same)
+"""
+
+
+def test_transformers_imports_neither_the_compiler_nor_scipy_optimize_and_compiles_the_same_when_asked():
+    deferred, eager = (
+        run_python(COMPILER_MARKS.format(before="import petals")),
+        run_python(COMPILER_MARKS.format(before="")),
+    )
+    assert deferred.splitlines()[0] == "False False"
+    assert eager.splitlines()[0] == "True True"
+    # once something compiles, the marks transformers made at import act as if made then
+    assert (
+        deferred.splitlines()[1:]
+        == eager.splitlines()[1:]
+        == ["2 1 [8.0, 8.0] True", "2 1", "[1, 0] scipy.optimize._minimize True"]
+    )
+
+
+SUBMODULES_FIRST = """
+import sys
+{before}
+import torch
+import transformers.masking_utils
+import torch._dynamo.convert_frame as convert_frame
+import scipy.optimize._minimize as minimize
+import scipy.optimize
+print(
+    convert_frame is torch._dynamo.convert_frame,
+    convert_frame.GraphRuntimeEnv is torch._dynamo.aot_compile.GraphRuntimeEnv,  # executed once
+    convert_frame.__spec__.name,
+    torch._dynamo.disable.__module__,
+    minimize.minimize is scipy.optimize.minimize,
+)
+"""
+
+
+def test_importing_a_submodule_of_a_deferred_package_runs_the_package_first_as_python_does():
+    expected = "True True torch._dynamo.convert_frame torch._dynamo.decorators True"
+    assert run_python(SUBMODULES_FIRST.format(before="import petals")).strip() == expected
+    assert run_python(SUBMODULES_FIRST.format(before="")).strip() == expected
+
+
+THREADS_AT_ONCE = """
+import threading
+import petals, torch, transformers.masking_utils
+results = []
+
+def submodule():
+    import torch._dynamo.eval_frame as eval_frame
+    results.append(eval_frame is torch._dynamo.eval_frame)
+
+def name():
+    results.append(torch._dynamo.is_compiling.__module__)
+
+threads = [threading.Thread(target=target) for target in (submodule, name, submodule, name)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(60)
+print(sorted(map(str, results)), any(thread.is_alive() for thread in threads))
+"""
+
+
+def test_threads_that_load_a_deferred_package_at_once_all_get_it_loaded_once():
+    lines = subprocess.run(
+        [sys.executable, "-c", THREADS_AT_ONCE], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert lines == ["['True', 'True', 'torch._dynamo.external_utils', 'torch._dynamo.external_utils'] False"]
 
 
 # ---- nothing else assigns into a third-party module or class -----------------------------------
