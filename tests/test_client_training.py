@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -82,3 +84,37 @@ def test_the_base_model_class_runs_its_blocks_remotely(swarm):
         torch.testing.assert_close(remote(ids).last_hidden_state, expected, atol=1e-4, rtol=1e-4)
     assert len(remote.remote_blocks) == local.config.num_hidden_layers
     remote.close()
+
+
+def test_the_readme_training_loop_runs_as_written(swarm, tmp_path, monkeypatch):
+    """README "Fine-tune", "Your own training loop": its code, run against a swarm, trains and saves
+    prompts that a second model loads (only the model's name, the peers and the batches are filled in)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.partition("**Your own training loop**")[2]
+    code = section.partition("```python\n")[2].partition("```")[0]
+    assert code.count('"path/or/org-name"') == 2 and code.count("initial_peers=[...]") == 2, code
+    code = code.replace('"path/or/org-name"', "MODEL").replace(
+        "initial_peers=[...]", "initial_peers=PEERS, **LOOPBACK_CLIENT"
+    )
+    ids = token_ids(batch=2, length=6)
+    labels = ids.clone()
+    labels[:, :2] = -100  # no loss on a "prompt" part, as petals tune does
+    namespace = {
+        "MODEL": str(swarm[0]),
+        "PEERS": swarm[1],
+        "LOOPBACK_CLIENT": LOOPBACK_CLIENT,
+        "batches": [(ids, labels)] * 3,
+    }
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (Your own training loop)", "exec"), namespace)
+
+    model, tuned = namespace["model"], namespace["tuned"]
+    assert (tmp_path / "prompts.safetensors").is_file()
+    trained = [p.detach().clone() for p in model._prompt_parameters()]
+    assert trained and any(p.grad is not None and p.grad.abs().sum() > 0 for p in model._prompt_parameters())
+    for mine, loaded in zip(trained, tuned._prompt_parameters(), strict=True):
+        torch.testing.assert_close(loaded.detach(), mine, rtol=0, atol=0)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, tuned(input_ids=ids).logits, atol=1e-5)
+    model.close()
+    tuned.close()
