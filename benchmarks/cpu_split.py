@@ -1,6 +1,6 @@
 """Where the CPU goes while a local swarm generates: CPU and run-queue wait per token, per thread.
 
-    python -m benchmarks.cpu_split [tiny-llama|smollm2] [SERVERS] [--client_threads N] [--quick]
+    python -m benchmarks.cpu_split [tiny-llama|smollm2] [SERVERS] [--client_threads N] [--server_threads N] [--quick]
 
 A diagnostic, not part of the suite (no ratio, no goal; Linux only). It starts the same swarm as the
 latency benchmarks, generates 64 greedy tokens through it and with plain transformers, and reads
@@ -67,12 +67,13 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="tiny-llama", choices=("tiny-llama", "smollm2"))
     parser.add_argument("servers", nargs="?", type=int, default=2)
     parser.add_argument("--client_threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--server_threads", type=int, help="each server's torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="the suite's --quick model, one server")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         ctx = Context(quick=args.quick, workdir=Path(workdir))
         try:
-            swarm = ctx.swarm(args.model, args.servers)
+            swarm = ctx.swarm(args.model, args.servers, args.server_threads)
             models = {"swarm": swarm.client(), "local transformers": ctx.local_model(args.model)}
             groups = {
                 f"server {index}": descendants(server.pid) for index, server in enumerate(swarm.servers)
