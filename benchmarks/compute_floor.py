@@ -8,7 +8,9 @@ body with its ``DynamicCache``); and the same layers as a server runs them (``lo
 ``BlockBackend``s over paged caches, ``run_decode_steps``). What ``generate`` spends outside its
 layers (embeddings, LM head, logits processing, its own logic) the swarm's client spends too.
 So "client part + server blocks" is what a swarm's token costs before any transport: divided by
-the best local time it bounds the latency ratio the swarm can reach on this machine.
+the best local time it bounds the latency ratio the swarm can reach on this machine. The server's
+blocks are also timed with the process asleep before each step, as a swarm's server is while the
+other hops run: what that idle time alone costs the next step on this machine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import DynamicCache
 from benchmarks.harness import Context
 
 STEPS, PROMPT = 64, 16
+IDLE = 0.015  # what a server of a 2-server swarm waits between its decode steps here, about
 
 
 def timed(run, repeats: int = 3) -> float:
@@ -87,16 +90,23 @@ def main() -> None:
                 for token in torch.randint(3, vocab, (STEPS, 1, 1)):
                     local.model(token, cache=cache, use_cache=True)
 
-        def server_blocks() -> None:
+        def server_blocks(idle: float = 0.0) -> float:
+            """Seconds in the decode steps; ``idle``: seconds asleep before each (as a swarm's server waits
+            for the other hops), not counted."""
             caches = [
                 backend.open_cache(pool, 1, PROMPT + STEPS)
                 for backend, pool in zip(backends, pools, strict=True)
             ]
             session = ServerInferenceSession("floor", backends, caches, 1, PROMPT + STEPS)
             session.run_blocks(torch.randn(1, PROMPT, hidden_size), [None] * len(backends))
+            seconds = 0.0
             for hidden in torch.randn(STEPS, 1, 1, hidden_size):
+                time.sleep(idle)
+                started = time.perf_counter()
                 run_decode_steps([DecodeStep(session, hidden, None, None)])
+                seconds += time.perf_counter() - started
             session.release()
+            return seconds
 
         all_threads = torch.get_num_threads()
         rows = {}
@@ -110,6 +120,8 @@ def main() -> None:
                     ("server", server_blocks),
                 )
             }
+            server_blocks(IDLE)  # warm-up
+            rows[threads]["server after idle"] = min(server_blocks(IDLE) for _ in range(3)) / STEPS
         torch.set_num_threads(all_threads)
     best_local = min(row["generate"] for row in rows.values())
     client = min(row["generate"] - row["layers"] for row in rows.values())
@@ -120,7 +132,9 @@ def main() -> None:
         print(
             f"  {threads} threads: transformers generate {row['generate'] * 1e3:.2f}, its layers "
             f"{row['layers'] * 1e3:.2f}, outside its layers {(row['generate'] - row['layers']) * 1e3:.2f}; "
-            f"the server's blocks {row['server'] * 1e3:.2f} ({row['server'] / row['layers']:.2f}x its layers)"
+            f"the server's blocks {row['server'] * 1e3:.2f} ({row['server'] / row['layers']:.2f}x its layers), "
+            f"the same after {IDLE * 1e3:.0f} ms idle before each step {row['server after idle'] * 1e3:.2f} "
+            f"({row['server after idle'] / row['server']:.2f}x)"
         )
     for threads, row in rows.items():
         floor = client + row["server"]
