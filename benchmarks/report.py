@@ -75,7 +75,9 @@ def chart(records: list[dict[str, Any]], path: Path) -> None:
         return
     columns = min(4, len(checks))
     rows = math.ceil(len(checks) / columns)
-    figure, axes = pyplot.subplots(rows, columns, figsize=(3.2 * columns, 3.0 * rows), squeeze=False)
+    figure, axes = pyplot.subplots(
+        rows, columns, figsize=(3.2 * columns, 3.0 * rows), squeeze=False, layout="constrained"
+    )
     for axis, (record, check) in zip(axes.flat, checks, strict=False):
         axis.bar([0], [check["value"]], color="tab:green" if check["met"] else "tab:red", width=0.5)
         axis.axhline(
@@ -83,7 +85,8 @@ def chart(records: list[dict[str, Any]], path: Path) -> None:
         )
         axis.set_xticks([])
         axis.set_xlim(-0.75, 0.75)
-        axis.set_ylim(0, max(check["value"], check["goal"]) * 1.25)
+        top = max(check["value"], check["goal"]) * 1.25
+        axis.set_ylim(0, top or 1.0)  # a goal of 0 met by 0 still gets a scale
         axis.set_title(f"({record['item']}) {record['benchmark']}\n{check['name']}", fontsize=8)
         axis.set_ylabel(check["unit"])
         axis.text(
@@ -93,7 +96,6 @@ def chart(records: list[dict[str, Any]], path: Path) -> None:
     for axis in list(axes.flat)[len(checks) :]:
         axis.set_visible(False)
     figure.suptitle("petals-core vs goals (ratios: product / plain transformers)", fontsize=10)
-    figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
 
