@@ -10,12 +10,16 @@ layers (embeddings, LM head, logits processing, its own logic) the swarm's clien
 So "client part + server blocks" is what a swarm's token costs before any transport: divided by
 the best local time it bounds the latency ratio the swarm can reach on this machine. The server's
 blocks are also timed with the process asleep before each step, as a swarm's server is while the
-other hops run: what that idle time alone costs the next step on this machine.
+other hops run: what that idle time alone costs the next step on this machine; and with a process
+spinning beside them, as a swarm's event loops and p2p daemons run beside a server's compute.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +42,19 @@ def timed(run, repeats: int = 3) -> float:
         run()
         best = min(best, (time.perf_counter() - started) / STEPS)
     return best
+
+
+@contextlib.contextmanager
+def busy_neighbour():
+    """A process spinning in pure Python (no memory traffic to speak of) beside the timed work, as a swarm's
+    event loops and p2p daemons run beside a server's compute."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)  # running
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def server_backends(path: Path):
@@ -122,6 +139,8 @@ def main() -> None:
             }
             server_blocks(IDLE)  # warm-up
             rows[threads]["server after idle"] = min(server_blocks(IDLE) for _ in range(3)) / STEPS
+            with busy_neighbour():
+                rows[threads]["server beside a busy core"] = min(server_blocks() for _ in range(3)) / STEPS
         torch.set_num_threads(all_threads)
     best_local = min(row["generate"] for row in rows.values())
     client = min(row["generate"] - row["layers"] for row in rows.values())
@@ -134,7 +153,8 @@ def main() -> None:
             f"{row['layers'] * 1e3:.2f}, outside its layers {(row['generate'] - row['layers']) * 1e3:.2f}; "
             f"the server's blocks {row['server'] * 1e3:.2f} ({row['server'] / row['layers']:.2f}x its layers), "
             f"the same after {IDLE * 1e3:.0f} ms idle before each step {row['server after idle'] * 1e3:.2f} "
-            f"({row['server after idle'] / row['server']:.2f}x)"
+            f"({row['server after idle'] / row['server']:.2f}x), with a busy process beside it "
+            f"{row['server beside a busy core'] * 1e3:.2f} ({row['server beside a busy core'] / row['server']:.2f}x)"
         )
     for threads, row in rows.items():
         floor = client + row["server"]

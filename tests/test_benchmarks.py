@@ -68,6 +68,7 @@ def test_compute_floor_times_generate_its_layers_and_the_server_blocks():
     assert lines[0].startswith("quick-llama, 6 blocks"), result.stdout
     assert any("1 threads: transformers generate" in line and "the server's blocks" in line for line in lines)
     assert any("the same after 15 ms idle before each step" in line for line in lines), result.stdout
+    assert any("with a busy process beside it" in line for line in lines), result.stdout
     assert any(line.startswith("  swarm before transport, servers at 1 threads") for line in lines)
 
 
