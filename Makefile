@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint demo tune-demo bench reliability image-test clean
+.PHONY: install test coverage lint demo tune-demo bench reliability image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ tune-demo: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest
+
+# line coverage of core/petals over the test suite, servers' processes included (about 2x the suite's time);
+# PYTEST_ARGS picks tests, e.g. make coverage PYTEST_ARGS=tests/test_server_swarm.py
+COVERAGE_DATA := $(CURDIR)/.coverage-data
+coverage: $(INSTALLED)
+	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
+	export COVERAGE_FILE=$(COVERAGE_DATA)/data; \
+	$(BIN)/python -m coverage run -m pytest $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/python -m coverage combine -q && $(BIN)/python -m coverage report && \
+	$(BIN)/python -m coverage report --include="*/core/petals/*" | grep "^TOTAL" | sed "s/^TOTAL/core\/petals/" && exit $$status
 
 # the benchmark suite: ratios vs plain transformers into benchmarks/results (JSON, summary.md, chart.png)
 bench: $(INSTALLED)
