@@ -106,15 +106,19 @@ def test_the_readme_training_loop_runs_as_written(swarm, tmp_path, monkeypatch):
         "batches": [(ids, labels)] * 3,
     }
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md (Your own training loop)", "exec"), namespace)
-
-    model, tuned = namespace["model"], namespace["tuned"]
-    assert (tmp_path / "prompts.safetensors").is_file()
-    trained = [p.detach().clone() for p in model._prompt_parameters()]
-    assert trained and any(p.grad is not None and p.grad.abs().sum() > 0 for p in model._prompt_parameters())
-    for mine, loaded in zip(trained, tuned._prompt_parameters(), strict=True):
-        torch.testing.assert_close(loaded.detach(), mine, rtol=0, atol=0)
-    with torch.no_grad():
-        assert torch.allclose(model(input_ids=ids).logits, tuned(input_ids=ids).logits, atol=1e-5)
-    model.close()
-    tuned.close()
+    try:
+        exec(compile(code, "README.md (Your own training loop)", "exec"), namespace)
+        model, tuned = namespace["model"], namespace["tuned"]
+        assert (tmp_path / "prompts.safetensors").is_file()
+        trained = [p.detach().clone() for p in model._prompt_parameters()]
+        assert trained and any(
+            p.grad is not None and p.grad.abs().sum() > 0 for p in model._prompt_parameters()
+        )
+        for mine, loaded in zip(trained, tuned._prompt_parameters(), strict=True):
+            torch.testing.assert_close(loaded.detach(), mine, rtol=0, atol=0)
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, tuned(input_ids=ids).logits, atol=1e-5)
+    finally:
+        for name in ("model", "tuned"):  # whatever the README's code got to build
+            if name in namespace:
+                namespace[name].close()
