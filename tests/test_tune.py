@@ -260,3 +260,30 @@ def test_the_demo_data_is_valid_and_its_held_out_sentences_are_not_trained_on():
         name, city, age = row["completion"].split(" | ")
         assert all(part in row["prompt"] for part in (name, city, age)), row
     assert not {row["prompt"] for row in held_out} & {row["prompt"] for row in train}
+
+
+def test_the_tune_demo_prints_held_out_answers_before_and_after_and_saves_its_prompts(
+    model_path, peers, capsys, monkeypatch
+):
+    """``petals demo --tune``'s part after the swarm starts (its 30 steps on SmolLM2 are ``make tune-demo``'s):
+    the shipped records data, deep prompts, both evaluations, a prompts file a model loads."""
+    from petals.cli import demo
+
+    monkeypatch.setitem(demo.TUNE_SETTINGS, "steps", 2)
+    saved = model_path.parent / "SmolLM2-records-prompts.safetensors"
+    saved.unlink(missing_ok=True)
+    timings = {}
+    demo.tune_demo(model_path, peers, timings)
+    output = capsys.readouterr().out
+
+    assert "Teaching the model to answer 'Record: " in output, output
+    assert "(60 training rows, 12 held-out rows, deep prompt tuning)" in output, output
+    assert output.count("\n  before: ") == 12 and output.count("\n  after:  ") == 12, output
+    assert re.search(r"Exact match on held-out rows: \d+/12 before, \d+/12 after", output), output
+    assert f"Saved the prompts to {saved}" in output and f"--prompts {saved}" in output
+    assert timings["tune (with both evaluations)"] > 0 and "  2 training steps" in timings
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=peers, prompts=saved, **LOOPBACK_CLIENT
+    )
+    assert model.config.tuning_mode == "deep_ptune" and model.config.pre_seq_len == demo.TUNE_PRE_SEQ_LEN
+    model.close()
