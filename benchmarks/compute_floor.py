@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from benchmarks.harness import Context
 
 STEPS, PROMPT = 64, 16
-IDLE = 0.015  # what a server of a 2-server swarm waits between its decode steps here, about
+IDLE = 0.015  # about what a server of a 2-server swarm waits between its decode steps here
 
 
 def timed(run, repeats: int = 3) -> float:
