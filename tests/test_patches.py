@@ -10,11 +10,13 @@ import importlib.metadata
 import logging
 import subprocess
 import sys
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2PContext, P2PHandlerError
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
@@ -373,3 +375,30 @@ def test_a_server_limit_refuses_only_inbound_streams_of_its_own_p2p(caplog):
                     await leave_network(p2p, None)
 
     asyncio.run(scenario())
+
+
+def test_a_failed_p2pd_is_explained_by_its_reason_even_when_a_log_line_came_after_it():
+    """p2pd may write a JSON log line from another goroutine after its fatal line; hivemind's error
+    quotes only the very last line, so ``create_p2p`` looks back for the reason (CI saw this race)."""
+    fatal = "2026/12/03 04:22:37 failed to connect to bootstrap peers"
+    output = [
+        '{"level":"info","logger":"dht","msg":"starting"}',
+        fatal,
+        '{"level":"info","logger":"dht/RtRefreshManager","msg":"starting refreshing cpl 0"}',
+    ]
+
+    async def read_all() -> list[str]:
+        reader = asyncio.StreamReader()
+        reader.feed_data("".join(line + "\n" for line in output).encode())
+        reader.feed_eof()
+        recorder = patches._LastLines(reader)
+        seen = []
+        while line := await recorder.readline():  # as hivemind's P2P._read_outputs reads it
+            seen.append(line.rstrip().decode())
+        return seen, patches.p2pd_exit_reason(types.SimpleNamespace(stdout=recorder))
+
+    seen, reason = asyncio.run(read_all())
+    assert seen == output  # hivemind reads every line unchanged
+    assert reason == fatal
+    assert "cannot reach any of the --initial_peers" in explain(P2PDaemonError(f"Daemon failed to start: {reason}"))
+    assert patches.p2pd_exit_reason(types.SimpleNamespace(stdout=None)) is None  # not started by petals

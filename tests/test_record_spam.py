@@ -75,4 +75,5 @@ def test_fake_server_records_delay_a_fresh_clients_first_token_by_at_most_5_s(ti
     assert spammed - baseline <= MAX_DELAY, (
         f"first token: {spammed:.2f} s with the spam, {baseline:.2f} s without"
     )
-    assert [record.getMessage() for record in caplog.records] == []  # no request failed, no server was banned
+    # no request failed, no server was banned (other loggers may report objects of earlier tests collected now)
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("petals")] == []

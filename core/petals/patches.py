@@ -46,6 +46,7 @@ version leaves the import alone: it only saves memory and time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -115,10 +116,38 @@ def _start_p2pd_apart() -> None:
         if started is None or Path(str(program)).name != "p2pd":
             return await original(program, *args, **kwargs)
         process = await original(program, *args, start_new_session=True, **kwargs)
+        if process.stdout is not None:
+            process.stdout = _LastLines(process.stdout)
         started.append(process)
         return process
 
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+class _LastLines:
+    """A p2pd's stdout as hivemind reads it, keeping its last lines (hivemind's error quotes only the
+    very last, which may be a log line another goroutine wrote after the reason the daemon exits)."""
+
+    def __init__(self, reader: asyncio.StreamReader, keep: int = 32) -> None:
+        self._reader = reader
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+
+    async def readline(self) -> bytes:
+        line = await self._reader.readline()
+        if line:
+            self.lines.append(line.rstrip().decode(errors="ignore"))
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+def p2pd_exit_reason(process: asyncio.subprocess.Process) -> str | None:
+    """The last line a p2pd started within ``p2pd_started_apart`` wrote that is not a JSON log
+    record: what the daemon printed when it gave up (Go's ``log.Fatal``), if it printed one."""
+    lines = getattr(process.stdout, "lines", ())
+    reasons = [line for line in lines if line and not line.startswith("{")]
+    return reasons[-1] if reasons else None
 
 
 HIVEMIND = ("hivemind", ("1.1.12",))

@@ -67,8 +67,9 @@ class NetworkOptions:
 
     async def create_p2p(self) -> P2P:
         from hivemind.p2p import P2P
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-        from petals.patches import apply_patches, p2pd_started_apart
+        from petals.patches import apply_patches, p2pd_exit_reason, p2pd_started_apart
 
         apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
         with p2pd_started_apart() as started:
@@ -85,6 +86,11 @@ class NetworkOptions:
                     startup_timeout=self.startup_timeout,
                     **self.extra,
                 )
+            except P2PDaemonError as error:
+                reason = p2pd_exit_reason(started[-1]) if started else None
+                if reason is None or reason in str(error):
+                    raise
+                raise P2PDaemonError(f"Daemon failed to start: {reason}") from error
             finally:
                 _daemons.update(started)
         _daemon_of[p2p] = started[-1]  # any p2pd before it checked whether our identity was taken

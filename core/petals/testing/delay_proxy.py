@@ -142,6 +142,7 @@ class DelayProxy:
             await sender
         finally:
             sender.cancel()
+            await asyncio.wait({sender})  # a task left pending when the loop closes is an error at exit
 
     async def _send_when_due(
         self, held: asyncio.Queue[tuple[float, float, bytes]], writer: asyncio.StreamWriter, direction: str
