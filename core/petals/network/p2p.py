@@ -87,6 +87,9 @@ class NetworkOptions:
                     **self.extra,
                 )
             except P2PDaemonError as error:
+                if started:  # reap it here: reaped after the loop closed, asyncio warns after our error line
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(started[-1].wait(), DAEMON_EXIT_SECONDS * 10)
                 reason = p2pd_exit_reason(started[-1]) if started else None
                 if reason is None or reason in str(error):
                     raise
