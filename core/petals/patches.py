@@ -54,9 +54,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import logging
+import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +120,9 @@ def _start_p2pd_apart() -> None:
         process = await original(program, *args, start_new_session=True, **kwargs)
         if process.stdout is not None:
             process.stdout = _LastLines(process.stdout)
+        for arg in args:
+            if str(arg).startswith("-listen=/unix/"):
+                _p2pd_sockets[process] = str(arg).removeprefix("-listen=/unix")
         started.append(process)
         return process
 
@@ -140,6 +145,18 @@ class _LastLines:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reader, name)
+
+
+# the control socket of each p2pd started within p2pd_started_apart: one that exits at start leaves it behind
+_p2pd_sockets: weakref.WeakKeyDictionary[asyncio.subprocess.Process, str] = weakref.WeakKeyDictionary()
+
+
+def remove_p2pd_socket(process: asyncio.subprocess.Process) -> None:
+    """Delete the control socket file of an exited p2pd (hivemind deletes it only for one it stopped)."""
+    path = _p2pd_sockets.pop(process, None)
+    if path is not None and process.returncode is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def p2pd_exit_reason(process: asyncio.subprocess.Process) -> str | None:

@@ -69,7 +69,7 @@ class NetworkOptions:
         from hivemind.p2p import P2P
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-        from petals.patches import apply_patches, p2pd_exit_reason, p2pd_started_apart
+        from petals.patches import apply_patches, p2pd_exit_reason, p2pd_started_apart, remove_p2pd_socket
 
         apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
         with p2pd_started_apart() as started:
@@ -90,6 +90,7 @@ class NetworkOptions:
                 if started:  # reap it here: reaped after the loop closed, asyncio warns after our error line
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(started[-1].wait(), DAEMON_EXIT_SECONDS * 10)
+                    remove_p2pd_socket(started[-1])
                 reason = p2pd_exit_reason(started[-1]) if started else None
                 if reason is None or reason in str(error):
                     raise
