@@ -227,6 +227,24 @@ def test_generate_and_chat_use_the_prompts_file(tuned, model_path, peers, tokeni
     assert greedy_text(with_prompts, tokenizer, "hello there", 8, chat=True).strip() in result.stdout
 
 
+def test_with_prompts_shares_the_base_models_weights_and_network_and_generates_as_loaded(
+    tuned, tokenizer, references
+):
+    out, _, _ = tuned
+    with_prompts, plain = references
+    variant = plain.with_prompts(out)  # not closed: it would close plain's connection, which it shares
+    assert variant.remote_blocks.network is plain.remote_blocks.network
+    base = {name: tensor for name, tensor in plain.named_parameters() if "prompt_embeddings" not in name}
+    mine = {name: tensor for name, tensor in variant.named_parameters() if "prompt_embeddings" not in name}
+    assert base.keys() == mine.keys() and base
+    assert all(mine[name].data_ptr() == base[name].data_ptr() for name in base)  # the same memory, no copy
+    assert not any(tensor.requires_grad for tensor in mine.values())
+    assert torch.equal(variant.prompt_embeddings.weight, with_prompts.prompt_embeddings.weight)
+    text = "The flag of land 5 is"  # test_generate_and_chat_use_the_prompts_file: plain says otherwise
+    assert greedy_text(variant, tokenizer, text, 8) == greedy_text(with_prompts, tokenizer, text, 8)
+    assert greedy_text(plain, tokenizer, text, 8) != greedy_text(variant, tokenizer, text, 8)
+
+
 def test_api_serves_the_prompts_as_a_model_of_their_own(tuned, model_path, peers, tokenizer, references):
     import httpx2
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -157,7 +156,7 @@ def run_api(
         model_id = model_id or (Path(model).name if Path(model).is_dir() else model)
         service = ModelService(distributed, tokenizer, model_id, limits, aliases=[model])
         for name, path in prompts:
-            service.add_variant(with_prompts(distributed, model, path, client), name)
+            service.add_variant(distributed.with_prompts(path), name)
         address = sock.getsockname()
         url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"
         click.echo(f"{READY_MESSAGE} {model_id} at {url} (OpenAI base URL {url}/v1, chat page {url}/)")
@@ -167,17 +166,3 @@ def run_api(
     finally:
         distributed.close()
         sock.close()
-
-
-def with_prompts(base, model: str, path: str, client: dict[str, Any]):
-    """A second client model of ``model`` using the prompts in ``path``: it shares ``base``'s network and
-    local weights (embeddings, norms, head) and has prompts of its own."""
-    from petals import AutoDistributedModelForCausalLM
-
-    tuned = AutoDistributedModelForCausalLM.from_pretrained(
-        model, network=base.remote_blocks.network, prompts=path, **client
-    )
-    shared = {name: tensor for name, tensor in base.state_dict().items() if "prompt_embeddings" not in name}
-    tuned.load_state_dict(shared, strict=False, assign=True)
-    tuned.tie_weights()
-    return tuned

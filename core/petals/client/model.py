@@ -15,6 +15,7 @@ positions are stripped from the blocks' output.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -204,6 +205,23 @@ class DistributedModelMixin:
         tensors = {key: getattr(self, key).weight for key in _PROMPT_MODULES if hasattr(self, key)}
         save_prompts(path, header, tensors)
 
+    def with_prompts(self, path: str | os.PathLike) -> DistributedModelMixin:
+        """A second model that puts the prompts in ``path`` (``save_prompts``) before every input, sharing
+        this one's connection to the swarm and its local weights (embeddings, norms, head), not copies:
+        a base model and tuned variants of it cost one load. Closing either closes the connection."""
+        header = read_header(path)
+        config = copy.deepcopy(self.config)
+        config.tuning_mode, config.pre_seq_len = header.tuning_mode, header.pre_seq_len
+        tuned = type(self)(config, network=self.remote_blocks.network)
+        tuned._source = self._source
+        shared = {
+            name: tensor for name, tensor in self.state_dict().items() if "prompt_embeddings" not in name
+        }
+        tuned._assign_local_tensors(shared, dtype=None)
+        tuned.generation_config = copy.deepcopy(self.generation_config)
+        tuned.load_prompts(path)
+        return tuned.eval()
+
     @torch.no_grad()
     def load_prompts(self, path: str | os.PathLike) -> None:
         """Use the prompts of a file saved by ``save_prompts`` (for this base model, mode and length)."""
@@ -273,17 +291,18 @@ class DistributedModelMixin:
 
     def _load_local_tensors(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> None:
         """Fill embeddings, norms and heads from the checkpoint (never a block's tensors)."""
-        wanted = {
-            name: tensor
-            for name, tensor in self.state_dict(keep_vars=True).items()
-            if "prompt_embeddings" not in name
-        }
+        wanted = [name for name in self.state_dict(keep_vars=True) if "prompt_embeddings" not in name]
         found = {
             name: _checkpoint_key(name, checkpoint.weight_map, self.base_model_prefix) for name in wanted
         }
         found = {name: key for name, key in found.items() if key is not None}
         tensors = checkpoint.read(sorted(set(found.values())))
-        state_dict = {name: _cast(tensors[key], dtype) for name, key in found.items()}
+        self._assign_local_tensors({name: _cast(tensors[key], dtype) for name, key in found.items()}, dtype)
+
+    def _assign_local_tensors(
+        self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+    ) -> None:
+        """Use ``state_dict``'s tensors themselves (no copy) as the local weights, frozen; initialise the rest."""
         self.load_state_dict(state_dict, strict=False, assign=True)
         for parameter in self.parameters():
             parameter.requires_grad_(False)  # local embeddings, norms and head are frozen, as in Petals
