@@ -64,6 +64,7 @@ def private_swarm_latency(ctx: Context) -> Result:
                         for word in (f"--{name}", value)
                     ),
                     wait_ready=False,
+                    wait_joined=False,
                     env=TRACING_SERVERS,
                 )
             )

@@ -109,6 +109,7 @@ def _wide_area_swarm(path, num_blocks: int, servers: int):
                     *("--block_indices", f"{start}:{end}", "--torch_dtype", "float32", *SERVER_ARGS),
                     delay_ms=DELAY_MS,
                     wait_ready=False,
+                    wait_joined=False,
                     timeout=300,
                 )
             )

@@ -46,6 +46,7 @@ PROMPT_TOKENS = 16
 
 def wan_latency(ctx: Context) -> Result:
     from petals import AutoDistributedModelForCausalLM
+    from petals.server.server import READY_MESSAGE
     from petals.testing.delay_proxy import start_server_behind_proxy
     from petals.testing.swarm import LOOPBACK_CLIENT, start_dht, start_server
 
@@ -72,16 +73,20 @@ def wan_latency(ctx: Context) -> Result:
 
     with contextlib.ExitStack() as stack:
         dht, direct_dht = stack.enter_context(start_dht()), stack.enter_context(start_dht())
-        proxies = []
+        proxies, servers = [], []
+        together = dict(env=TRACING_SERVERS, wait_ready=False, wait_joined=False)  # all load at once
         for start, end in itertools.pairwise(bounds):
             args = ("--block_indices", f"{start}:{end}", "--torch_dtype", "float32", *SERVER_ARGS)
-            _, proxy = stack.enter_context(
-                start_server_behind_proxy(
-                    path, dht.initial_peers, *args, delay_ms=DELAY_MS, env=TRACING_SERVERS
-                )
+            server, proxy = stack.enter_context(
+                start_server_behind_proxy(path, dht.initial_peers, *args, delay_ms=DELAY_MS, **together)
             )
             proxies.append(proxy)
-            stack.enter_context(start_server(path, direct_dht.initial_peers, *args, env=TRACING_SERVERS))
+            servers += [
+                server,
+                stack.enter_context(start_server(path, direct_dht.initial_peers, *args, **together)),
+            ]
+        for server in servers:
+            server.wait_for_log(READY_MESSAGE, timeout=180)
         push_on = AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

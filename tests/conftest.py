@@ -220,7 +220,9 @@ def swarm_with_processes(
             if index < cut:
                 server = InProcessServer(model_path, dht.initial_peers, *args).start(wait=False)
             else:
-                server = start_server(model_path, dht.initial_peers, *args, wait_ready=False, timeout=180)
+                server = start_server(
+                    model_path, dht.initial_peers, *args, wait_ready=False, wait_joined=False, timeout=180
+                )
             servers.append(stack.enter_context(server))
         for server in servers:
             if isinstance(server, ServerProcess):

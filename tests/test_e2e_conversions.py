@@ -85,7 +85,9 @@ def start(name: str, path: Path, initial_peers: list[str], *args: str) -> Server
     Neither waits until it is ready."""
     if name.startswith("tp-"):
         return InProcessServer(path, initial_peers, *args, *SERVER_ARGS).start(wait=False)
-    return start_server(path, initial_peers, *args, *SERVER_ARGS, wait_ready=False, timeout=240)
+    return start_server(
+        path, initial_peers, *args, *SERVER_ARGS, wait_ready=False, wait_joined=False, timeout=240
+    )
 
 
 @pytest.fixture(scope="module")

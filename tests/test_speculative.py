@@ -37,7 +37,7 @@ def start(stack: contextlib.ExitStack, family: str, blocks: str, dht: InProcessD
     args = ("--block_indices", blocks, *SERVER_ARGS)
     if family == "llama" and blocks == "2:4":
         return stack.enter_context(
-            start_server(path, dht.initial_peers, *args, wait_ready=False, timeout=180)
+            start_server(path, dht.initial_peers, *args, wait_ready=False, wait_joined=False, timeout=180)
         )
     return stack.enter_context(InProcessServer(path, dht.initial_peers, *args).start(wait=False))
 

@@ -141,8 +141,14 @@ class DhtProcess(SwarmProcess):
 
 
 class ServerProcess(SwarmProcess):
-    peer_id: str
     ready_seconds: float
+    timeout: float = 120  # how long ``peer_id`` waits for the line saying it joined
+
+    @property
+    def peer_id(self) -> str:
+        """Its peer id, from the log line saying it joined the swarm (waiting for that line)."""
+        joined = self.wait_for_log("Joined the swarm", self.timeout)
+        return PEER_ID_PATTERN.search(joined).group(1)
 
 
 class ApiProcess(SwarmProcess):
@@ -189,15 +195,21 @@ def start_server(
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
     own_process_group: bool = False,
+    wait_joined: bool = True,
 ) -> ServerProcess:
-    """``petals serve MODEL --loopback --initial_peers ...``, by default waiting until it is ONLINE."""
+    """``petals serve MODEL --loopback --initial_peers ...``, by default waiting until it is ONLINE.
+
+    ``wait_ready=False`` returns once it has joined the swarm (its peer id known) and
+    ``wait_joined=False`` at once, so that servers started one after another import and load together.
+    """
     peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
     command = ["petals.cli.run_server", str(model), "--loopback", *peers, *args]
     name = f"petals serve {Path(str(model)).name} {' '.join(args)}"
     process = ServerProcess(name, command, env, own_process_group)
+    process.timeout = timeout
     try:
-        joined = process.wait_for_log("Joined the swarm", timeout)
-        process.peer_id = PEER_ID_PATTERN.search(joined).group(1)
+        if wait_joined or wait_ready:
+            process.wait_for_log("Joined the swarm", timeout)
         if wait_ready:
             process.wait_for_log(READY_MESSAGE, timeout)
             process.ready_seconds = time.perf_counter() - process.started_at
@@ -242,6 +254,7 @@ def running_swarm(
                     "float32",
                     *server_args,
                     wait_ready=False,
+                    wait_joined=False,
                     timeout=timeout,
                     env=env,
                 )
