@@ -85,6 +85,24 @@ def test_larger_tasks_learn_their_count_too_unless_it_is_fixed():
     assert large_task_threads(fixed, 5, {1: 0.010, 2: 0.050}) == [2] * 5
 
 
+def test_a_blocks_backward_and_its_forward_of_one_size_learn_their_counts_apart():
+    """A training step sends forward and backward tasks of the same priority and size, which cost 2-3x
+    apart: were they one kind, each count's mean would mix them in whatever order they happened to run."""
+    scheduler = Scheduler(max_threads=2)
+    tokens = 4 * SMALL_TASK_TOKENS
+    seconds_on = {"forward+graph": {1: 0.010, 2: 0.020}, "backward": {1: 0.060, 2: 0.030}}
+    ran: dict[str, list[int]] = {"forward+graph": [], "backward": []}
+    for index in range(40):
+        for work in ("forward+graph", "backward"):
+            scheduler.push(call(Priority.FORWARD, tokens, lambda: None, work), now=float(index))
+            batch = scheduler.next_batch(float(index))
+            scheduler.finished(batch, seconds_on[work][batch.threads])
+            ran[work].append(batch.threads)
+    explored = 2 * ThreadChoice.EXPLORE
+    assert ran["forward+graph"][explored:].count(1) >= 40 - explored - 2
+    assert ran["backward"][explored:].count(2) >= 40 - explored - 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [(("--decode_threads", "1"), {1}), ((), {1, 2})])
 def test_a_server_reports_its_decode_threads(tiny_model_path, args, expected):

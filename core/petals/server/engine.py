@@ -33,7 +33,7 @@ import torch
 from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks
 from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
-from petals.server.scheduler import Batch, Priority, Scheduler, Task, call
+from petals.server.scheduler import Batch, Priority, Scheduler, Task, call, task_kind
 from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
 from petals.server.validation import (
     Limits,
@@ -197,7 +197,7 @@ class ServingEngine:
                 # decode forwards by the number of sessions merged into them
                 **{f"decode_batch_size_{size}": count for size, count in scheduler.batch_sizes.items()},
                 # torch threads of one-token decode steps now (a fixed --decode_threads, or learned)
-                **scheduler.threads.describe((Priority.DECODE, 1)),
+                **scheduler.threads.describe(task_kind(Priority.DECODE, "", 1)),
             },
         }
 
@@ -336,7 +336,10 @@ def _backward_job(
             graph = None
             if graphs.fits(estimate):
                 graph = yield call(
-                    Priority.FORWARD, tokens, _bind(backend.forward_with_graph, hidden, prompt)
+                    Priority.FORWARD,
+                    tokens,
+                    _bind(backend.forward_with_graph, hidden, prompt),
+                    "forward+graph",
                 )
                 graphs.hold(graph.saved_bytes)
                 kept, estimate = kept + graph.saved_bytes, estimate or graph.saved_bytes
@@ -359,10 +362,10 @@ def _backward_pass(
     grad_prompts = []
     for (backend, block_input, graph), prompt in reversed(list(zip(steps, prompts, strict=True))):
         if graph is not None:
-            run = _bind(backend.backward_graph, graph, grad_output)
+            run, work = _bind(backend.backward_graph, graph, grad_output), "backward"
         else:
-            run = _bind(backend.backward, block_input, prompt, grad_output)
-        grad_output = yield call(Priority.FORWARD, tokens, run)
+            run, work = _bind(backend.backward, block_input, prompt, grad_output), "forward+backward"
+        grad_output = yield call(Priority.FORWARD, tokens, run, work)
         if prompt is not None:
             grad_prompts.append(grad_output[:, : prompt.shape[-2]])
     if not grad_prompts:

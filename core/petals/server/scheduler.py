@@ -58,11 +58,19 @@ class Task:
     member: Hashable | None = field(compare=False, default=None)  # who submits steps again and again
     submitted: float = field(compare=False, default=0.0)
     owner: Any = field(compare=False, default=None)  # the engine's bookkeeping (the job it belongs to)
+    # what it computes, where tasks of one priority and size differ in cost (a block's backward against
+    # its forward): the thread count is learned for each apart
+    work: str = field(compare=False, default="")
 
 
-def call(priority: Priority, tokens: int, function: Callable[[], Any]) -> Task:
+def task_kind(priority: int, work: str, tokens: int) -> Hashable:
+    """What ``ThreadChoice`` learns a count for: tasks alike in cost (same priority and work, sizes within 2x)."""
+    return (int(priority), work, tokens.bit_length())
+
+
+def call(priority: Priority, tokens: int, function: Callable[[], Any], work: str = "") -> Task:
     """A task that runs ``function()`` alone and yields its result."""
-    return Task(int(priority), tokens, lambda items: [function()])
+    return Task(int(priority), tokens, lambda items: [function()], work=work)
 
 
 @dataclass
@@ -186,7 +194,7 @@ class Scheduler:
         elif len(tasks) > 1 or self._serving_several(now):
             # several sessions at once: every core is better spent on their work than on spinning
             return Batch(tasks, self.threads.busy)
-        kind = (tasks[0].priority, tokens.bit_length())  # tasks alike in cost: the same kind, sizes within 2x
+        kind = task_kind(tasks[0].priority, tasks[0].work, tokens)
         threads = self.threads.pick(kind)
         return Batch(tasks, threads, kind if self.threads.learning else None)
 
