@@ -26,17 +26,35 @@ def token_ids(batch: int = 2, length: int = 8) -> torch.Tensor:
     return torch.randint(3, 1000, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
+def input_gradients(model) -> torch.Tensor:
+    embeds = model.get_input_embeddings()(token_ids()).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeds).logits
+    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return embeds.grad
+
+
 def test_input_gradients_match_local_autograd(swarm):
     remote = load(petals.AutoDistributedModelForCausalLM, swarm)
     local = AutoModelForCausalLM.from_pretrained(swarm[0], dtype=torch.float32)
-    ids = token_ids()
-    grads = []
-    for model in (remote, local):
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        logits = model(inputs_embeds=embeds).logits
-        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-        grads.append(embeds.grad)
-    assert torch.allclose(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(input_gradients(remote), input_gradients(local), atol=1e-4, rtol=1e-4)
+
+
+def test_a_server_keeping_no_graphs_recomputes_every_block_to_the_same_gradients(tiny_model_path):
+    """``--backward_graph_budget 0``: each block runs forward again inside its backward task, as in Petals."""
+    from petals.testing.swarm import inprocess_swarm
+
+    path = tiny_model_path("llama")
+    with inprocess_swarm(path, "0:4", server_args=("--backward_graph_budget", "0")) as (dht, (server,)):
+        engine = server.server.span.engine
+        assert engine.graphs.limit == 0
+        remote = load(petals.AutoDistributedModelForCausalLM, (path, dht.initial_peers))
+        try:
+            grads = input_gradients(remote)
+        finally:
+            remote.close()
+        assert engine.graphs.used == 0
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert torch.allclose(grads, input_gradients(local), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])

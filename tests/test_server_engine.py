@@ -174,8 +174,12 @@ def test_requests_for_other_blocks_or_adapters_are_refused(engine):
 @pytest.mark.parametrize(
     ("graph_bytes", "backward_tasks"),
     [
-        (1 << 30, 2 + 2),  # each block forward once, keeping its graph, then a backward per block
-        (0, 1 + 1 + 1),  # past the budget: block 0 keeps its graph; block 1 is recomputed in its backward
+        # each block forward once, keeping its graph, then a backward per block
+        (1 << 30, ["forward+graph", "forward+graph", "backward", "backward"]),
+        # past the budget: block 0 keeps its graph (its size unknown yet); block 1 is recomputed in its backward
+        (1, ["forward+graph", "forward+backward", "backward"]),
+        # --backward_graph_budget 0: no graph kept, every block recomputed in its backward (as in Petals)
+        (0, ["", "forward+backward", "forward+backward"]),
     ],
 )
 def test_forward_and_backward_run_one_task_per_block(blocks, graph_bytes, backward_tasks):
@@ -194,7 +198,7 @@ def test_forward_and_backward_run_one_task_per_block(blocks, graph_bytes, backwa
     assert len(drain(engine)) == 2
     grad = torch.randn(2, 4, 64)
     backward = engine.backward(UIDS, {}, [hidden.detach(), grad])
-    assert len(drain(engine)) == backward_tasks
+    assert [batch.tasks[0].work for batch in drain(engine)] == backward_tasks
     expected = hidden
     for backend in blocks.backends.values():
         expected = backend.module(expected, None)

@@ -46,6 +46,7 @@ def test_options_given_are_mapped_onto_their_settings(tiny_model_path):
         "--request-timeout=5",
         "--attn_cache_tokens=64",
         "--daemon_startup_timeout=7",
+        "--backward_graph_budget=256MiB",
         "--adapters",
         model,
     )
@@ -55,6 +56,7 @@ def test_options_given_are_mapped_onto_their_settings(tiny_model_path):
         dtype="float16",
         request_timeout=5.0,
         attn_cache_tokens=64,
+        backward_graph_budget=256 << 20,
         adapters=(model,),
     )
     assert settings.network.startup_timeout == 7

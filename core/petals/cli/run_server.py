@@ -33,7 +33,7 @@ from petals.cli.options import (
     option,
     split_words,
 )
-from petals.cli.original_options import apply_original_options, original_petals_options
+from petals.cli.original_options import apply_original_options, original_petals_options, parse_size
 from petals.network.p2p import NetworkOptions
 from petals.server.settings import (
     DTYPE_CHOICES,
@@ -217,6 +217,12 @@ def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
     "--decode_threads",
     type=click.IntRange(min=1),
     help="Torch threads for steps of up to 64 tokens (decode steps); larger steps use all.",
+)
+@setting(
+    "--backward_graph_budget",
+    callback=parse_size,
+    help="Memory that backward requests may keep activations in, all together, to run each block forward "
+    "once (e.g. 512MiB, 4GiB; 0: recompute every block in the backward pass, as Petals does).",
 )
 @setting(
     "--cache_dir",

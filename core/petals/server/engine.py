@@ -35,6 +35,7 @@ from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
 from petals.server.scheduler import Batch, Priority, Scheduler, Task, call, task_kind
 from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRegistry, run_decode_steps
+from petals.server.settings import BACKWARD_GRAPH_BYTES
 from petals.server.validation import (
     Limits,
     StepArgs,
@@ -53,9 +54,6 @@ from petals.wire import WireError
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
 PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)
 
-# activations that backward requests may keep, together, between their forward and backward passes;
-# blocks past this are recomputed during the backward pass instead (Petals recomputes every block)
-BACKWARD_GRAPH_BYTES = 1 << 30
 # what a job yields (a task to run) and, in the end, returns (the request's result)
 Job = Generator[Task, Any, Any]
 # counters reported under rpc_info's "stats" (stock Petals peers ignore that key)
@@ -316,8 +314,10 @@ class GraphBudget:
         self._lock = threading.Lock()
 
     def fits(self, nbytes: int) -> bool:
+        """Whether a graph of ``nbytes`` fits; 0 means not known yet (a request's first block): then
+        whether any room is left, so that a budget of 0 keeps no graph at all."""
         with self._lock:
-            return self.used + nbytes <= self.limit
+            return self.used + nbytes <= self.limit if nbytes else self.used < self.limit
 
     def hold(self, nbytes: int) -> None:
         with self._lock:

@@ -245,7 +245,13 @@ class ServingSpan:
         )
         metrics = self.server.metrics
         self.engine = ServingEngine(
-            hosted, self.budget, limits, self.scheduler, dht_prefix=self.server.dht_prefix, metrics=metrics
+            hosted,
+            self.budget,
+            limits,
+            self.scheduler,
+            dht_prefix=self.server.dht_prefix,
+            metrics=metrics,
+            backward_graph_bytes=self.settings.backward_graph_budget,
         )
         self.compute = ComputeThread(self.engine).start()
         membership = self.server.membership

@@ -34,6 +34,11 @@ class SettingError(ValueError):
         self.setting = setting
 
 
+# activation bytes that backward requests may keep, together, between their forward and backward passes;
+# blocks past this are recomputed during the backward pass instead (Petals recomputes every block)
+BACKWARD_GRAPH_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """Defaults of the per-block limits, chosen by ``planning.default_limits`` from the model."""
@@ -111,6 +116,7 @@ class ServerSettings:
     decode_threads: int | None = _decided(
         "one or all, whichever the server measures to finish its steps sooner"
     )
+    backward_graph_budget: int = field(default=BACKWARD_GRAPH_BYTES, metadata={"default": "1GiB"})
     public_name: str | None = None
 
     def load_config(self):
