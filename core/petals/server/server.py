@@ -235,24 +235,8 @@ class ServingSpan:
             self.settings.quant_type,
         )
         self.budget = CacheBudget(list(hosted.backends.values()), self.settings.attn_cache_tokens)
-        limits = Limits(
-            max_batch_size=self.settings.max_batch_size,
-            inference_max_length=self.settings.inference_max_length,
-            request_timeout=self.settings.request_timeout,
-            session_timeout=self.settings.session_timeout,
-            step_timeout=self.settings.step_timeout,
-            adapters=self.settings.adapters,
-        )
         metrics = self.server.metrics
-        self.engine = ServingEngine(
-            hosted,
-            self.budget,
-            limits,
-            self.scheduler,
-            dht_prefix=self.server.dht_prefix,
-            metrics=metrics,
-            backward_graph_bytes=self.settings.backward_graph_budget,
-        )
+        self.engine = self._engine(hosted, metrics)
         self.compute = ComputeThread(self.engine).start()
         membership = self.server.membership
         self.handler = TransformerConnectionHandler(
@@ -275,6 +259,25 @@ class ServingSpan:
             ", ".join(map(str, self.settings.tensor_parallel_devices or [self.settings.device])),
             self.settings.attn_cache_tokens,
             self.budget.nbytes / 2**20,
+        )
+
+    def _engine(self, hosted: HostedBlocks, metrics: NoMetrics) -> ServingEngine:
+        limits = Limits(
+            max_batch_size=self.settings.max_batch_size,
+            inference_max_length=self.settings.inference_max_length,
+            request_timeout=self.settings.request_timeout,
+            session_timeout=self.settings.session_timeout,
+            step_timeout=self.settings.step_timeout,
+            adapters=self.settings.adapters,
+        )
+        return ServingEngine(
+            hosted,
+            self.budget,
+            limits,
+            self.scheduler,
+            dht_prefix=self.server.dht_prefix,
+            metrics=metrics,
+            backward_graph_bytes=self.settings.backward_graph_budget,
         )
 
     def _load_blocks(self) -> list[BlockBackend]:
