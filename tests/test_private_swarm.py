@@ -4,6 +4,7 @@ period. One private swarm (a ``petals dht`` and a ``petals serve``) is shared by
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from petals.cli import main as petals_cli
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, expiration_from_now, get_remote_module_infos
 from petals.membership import CERTIFICATE_PROTOCOL
+from petals.server.server import READY_MESSAGE
 from petals.testing.swarm import start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
 
@@ -292,3 +294,61 @@ def _refused(client: WireClient, server: str, timeout: float) -> str:
             return str(error)
         time.sleep(0.2)
     raise AssertionError(f"the server still served {client.p2p.peer_id} after {timeout} s")
+
+
+def test_an_open_session_routes_around_a_server_revoked_after_it_chose_it(swarm):
+    """A revoked server keeps serving if it wants to; the client must stop sending it hidden states: its
+    open session's next steps after the client's next update go to another server, replaying the history."""
+    names = ("second", "third")
+    for name in names:
+        swarm_cli(
+            "admit", swarm.authority, "--identity", swarm.authority / f"{name}.key", "--role", "server",
+            "--out", swarm.authority / f"{name}.cert",
+        )  # fmt: skip
+    private = ["--swarm_authority", str(swarm.authority / "authority.pub"), "--update_period", str(PERIOD)]
+    args = [*private, "--torch_dtype", "float32", "--throughput", "1", "--expiration", "30"]
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(
+                start_server(
+                    swarm.model_path,
+                    swarm.initial_peers,
+                    *args,
+                    *cli_credentials(swarm.credentials(name)),
+                    wait_ready=False,
+                    wait_joined=False,
+                )
+            )
+            for name in names
+        }
+        for server in servers.values():
+            server.wait_for_log(READY_MESSAGE, timeout=180)
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            swarm.model_path,
+            initial_peers=swarm.initial_peers,
+            update_period=PERIOD,
+            blocked_servers=[swarm.server.peer_id],  # the route is on one of the two new servers
+            **swarm.credentials("carol"),
+            **LOOPBACK_CLIENT,
+        )
+        stack.callback(model.close)
+        hidden = torch.randn(1, 200, HIDDEN, generator=torch.Generator().manual_seed(2))
+        with model.inference_session(max_length=hidden.shape[1]) as session:
+            outputs = [session.step(hidden[:, :4])]
+            (chosen,) = {str(span.peer_id) for span in session.route}
+            revoked = next(name for name, server in servers.items() if server.peer_id == chosen)
+            swarm_cli("revoke", swarm.authority, swarm.authority / f"{revoked}.cert")
+            position, deadline = 4, time.monotonic() + 30  # the DHT peer, then the client: a period each
+            while chosen in {str(span.peer_id) for span in session.route} and time.monotonic() < deadline:
+                outputs.append(session.step(hidden[:, position : position + 1]))
+                position += 1
+                time.sleep(0.1)
+            assert chosen not in {str(span.peer_id) for span in session.route}, (
+                "still routed to the revoked server"
+            )
+            assert servers[revoked].process.poll() is None  # it did not leave: the client left it
+            outputs.append(session.step(hidden[:, position : position + 1]))  # on the replacement
+            position += 1
+        with torch.no_grad():
+            expected = model.remote_blocks(hidden[:, :position])  # a forward, on the server left
+        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-5, rtol=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def spans_with_pings(path, announced: float | None, client_rtts: tuple[float, fl
     """A session over three servers whose client pinged them ``client_rtts`` and whose first announces
     ``announced`` to the second (the second announces 2 ms to the third)."""
     config = AutoDistributedConfig.from_pretrained(path)
-    manager = RemoteSequenceManager(config, network=None, num_blocks=3)
+    # routing policy only: no network is used, and an open swarm has no membership to check
+    manager = RemoteSequenceManager(config, network=types.SimpleNamespace(membership=None), num_blocks=3)
     peers = [PeerID.from_base58(peer) for peer in PEERS]
     manager.pings = dict(zip(peers, client_rtts, strict=True))
     next_pings = [{PEERS[1]: announced} if announced is not None else None, {PEERS[2]: 0.002}, None]

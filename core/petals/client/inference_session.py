@@ -186,12 +186,23 @@ class InferenceSession:
         if self.position == 0:
             self._first_prompts = prompts
         step_id = str(uuid.uuid4())
+        self.manager.update_in_background()  # revocations reach this session's route (may_use below)
         at = ChainPosition()
         while at.block < len(self.manager):
             try:
                 if at.index == len(self._sessions):
                     self._sessions.extend(await self._open(at.block, len(self.manager), hidden))
                 session = self._sessions[at.index]
+                if not self.manager.may_use(session.span.peer_id):
+                    span = session.span
+                    logger.warning(
+                        "Server %s may no longer be used (certificate revoked or expired); routing blocks %d:%d anew",
+                        span.peer_id,
+                        span.start,
+                        span.end,
+                    )
+                    await self._replace(at, session)
+                    continue
                 fresh = session.position == 0 and self.position > 0
                 verified = not fresh and self._verifier.sample()
                 tensors = (hidden, prompts, hypo_ids)
@@ -302,7 +313,8 @@ class InferenceSession:
             return None
         chain = []
         for sender, receiver in zip(self._sessions[index:], downstream, strict=False):
-            if not self.manager.push_pays(sender.span, receiver.span.peer_id):
+            peer = receiver.span.peer_id
+            if not self.manager.may_use(peer) or not self.manager.push_pays(sender.span, peer):
                 break
             chain.append(
                 [

@@ -33,7 +33,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +107,8 @@ class RemoteSequenceManager:
         self.suspects = Suspects()  # caught lying by ``verification``: banned for good
         self.routing = ROUTINGS[getattr(config, "routing", "ours")]()
         self.routing_rng = np.random.default_rng()
+        self._background_update: asyncio.Future | None = None  # referenced until it ends
+        self._background_since = -float("inf")
 
     def __len__(self) -> int:
         return len(self.block_uids)
@@ -144,7 +146,7 @@ class RemoteSequenceManager:
         )
         self.pings.update(zip(unreached, rtts, strict=True))
 
-    def eligible(self, spans: dict[PeerID, RemoteSpanInfo]) -> set[PeerID]:
+    def eligible(self, peers: Iterable[PeerID]) -> set[PeerID]:
         """The servers this client may use at all, the one place that decides: ``allowed_servers``,
         ``blocked_servers`` and, in a private swarm, a valid server certificate (``petals.membership``)."""
         allowed = _peer_set(self.config.allowed_servers)
@@ -152,15 +154,43 @@ class RemoteSequenceManager:
         membership = self.network.membership
         return {
             peer
-            for peer in spans
+            for peer in peers
             if (allowed is None or peer in allowed)
             and peer not in blocked
             and (membership is None or membership.is_server(peer))
         }
 
+    def may_use(self, peer: PeerID) -> bool:
+        """Whether ``peer`` is still eligible, as of the last update (its certificate may have been revoked
+        since a session chose it)."""
+        return bool(self.eligible([peer]))
+
     async def ensure_fresh(self) -> None:
-        if time.monotonic() - self.last_update > self.config.update_period:
+        if self._update_due():
             await self.update()
+
+    def update_in_background(self) -> None:
+        """Start an update if one is due, without waiting for it: an open session's steps call this, so
+        that a revocation reaches routes chosen before it (``may_use``) while steps go on."""
+        now = time.monotonic()
+        if (
+            self._background_update is None
+            and self._update_due()
+            and now - self._background_since > self.config.update_period
+        ):
+            self._background_since = now  # a failing one is not started again before an update period
+            self._background_update = asyncio.ensure_future(self._update_quietly())
+
+    def _update_due(self) -> bool:
+        return time.monotonic() - self.last_update > self.config.update_period
+
+    async def _update_quietly(self) -> None:
+        try:
+            await self.update()
+        except Exception as error:  # the next route to be chosen reads the DHT again and reports it
+            logger.debug("Background update failed: %s", error)
+        finally:
+            self._background_update = None
 
     def usable_spans(self) -> list[RemoteSpanInfo]:
         """Spans of servers that are neither banned nor known to be unreachable."""
