@@ -245,6 +245,7 @@ def assignments_into_third_party_code(source: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             imported |= {alias.asname or alias.name: node.module for alias in node.names}
     third_party = {name for name, module in imported.items() if module.split(".")[0] != "petals"}
+    third_party |= _aliases_of(tree, third_party)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign | ast.Delete):
@@ -263,6 +264,37 @@ def assignments_into_third_party_code(source: str) -> list[str]:
             if isinstance(target, ast.Attribute) and _root_name(target) in third_party:
                 found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
     return found
+
+
+def _aliases_of(tree: ast.AST, names: set[str]) -> set[str]:
+    """Names bound to one of ``names`` or an attribute of it (``cls = hivemind.p2p.P2P``, ``cls =
+    getattr(p2p, "P2P")``), transitively; a call's result (an instance) is not an alias."""
+    aliases: set[str] = set()
+    while True:
+        known = names | aliases
+        new = {
+            target.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and _alias_root(node.value) in known
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        } - known
+        if not new:
+            return aliases
+        aliases |= new
+
+
+def _alias_root(node: ast.expr) -> str | None:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and node.args
+    ):
+        node = node.args[0]
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 def _root_name(node: ast.expr) -> str | None:
@@ -292,8 +324,13 @@ MSGPackSerializer.loads = staticmethod(len)
 asyncio.subprocess.create_subprocess_exec = None
 setattr(p2p.P2P, "receive_raw_data", None)
 del nn.Linear.forward
+serializer = MSGPackSerializer
+serializer.dumps = None
+P2P = getattr(p2p, "P2P")
+same = P2P
+same.create = None
 """
-    assert len(assignments_into_third_party_code(patching)) == 5
+    assert len(assignments_into_third_party_code(patching)) == 7
     ours = """
 import os
 import torch
@@ -400,5 +437,7 @@ def test_a_failed_p2pd_is_explained_by_its_reason_even_when_a_log_line_came_afte
     seen, reason = asyncio.run(read_all())
     assert seen == output  # hivemind reads every line unchanged
     assert reason == fatal
-    assert "cannot reach any of the --initial_peers" in explain(P2PDaemonError(f"Daemon failed to start: {reason}"))
+    assert "cannot reach any of the --initial_peers" in explain(
+        P2PDaemonError(f"Daemon failed to start: {reason}")
+    )
     assert patches.p2pd_exit_reason(types.SimpleNamespace(stdout=None)) is None  # not started by petals
