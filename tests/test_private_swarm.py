@@ -22,8 +22,7 @@ from petals.cli import main as petals_cli
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, expiration_from_now, get_remote_module_infos
 from petals.membership import CERTIFICATE_PROTOCOL
-from petals.server.server import READY_MESSAGE
-from petals.testing.swarm import start_dht, start_server
+from petals.testing.swarm import InProcessServer, start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
 
 PERIOD = 1.0  # every peer's update period: revocations arrive within about one
@@ -308,21 +307,16 @@ def test_an_open_session_routes_around_a_server_revoked_after_it_chose_it(swarm)
     private = ["--swarm_authority", str(swarm.authority / "authority.pub"), "--update_period", str(PERIOD)]
     args = [*private, "--torch_dtype", "float32", "--throughput", "1", "--expiration", "30"]
     with contextlib.ExitStack() as stack:
-        servers = {
+        servers = {  # in this process: they only need to serve, and they load together
             name: stack.enter_context(
-                start_server(
-                    swarm.model_path,
-                    swarm.initial_peers,
-                    *args,
-                    *cli_credentials(swarm.credentials(name)),
-                    wait_ready=False,
-                    wait_joined=False,
-                )
+                InProcessServer(
+                    swarm.model_path, swarm.initial_peers, *args, *cli_credentials(swarm.credentials(name))
+                ).start(wait=False)
             )
             for name in names
         }
         for server in servers.values():
-            server.wait_for_log(READY_MESSAGE, timeout=180)
+            server.wait_ready()
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             swarm.model_path,
             initial_peers=swarm.initial_peers,
@@ -346,9 +340,11 @@ def test_an_open_session_routes_around_a_server_revoked_after_it_chose_it(swarm)
             assert chosen not in {str(span.peer_id) for span in session.route}, (
                 "still routed to the revoked server"
             )
-            assert servers[revoked].process.poll() is None  # it did not leave: the client left it
+            steps = servers[revoked].server.span.engine.events
+            served = steps["inference_steps"]
             outputs.append(session.step(hidden[:, position : position + 1]))  # on the replacement
             position += 1
+            assert steps["inference_steps"] == served  # it still serves, but gets no more of this session
         with torch.no_grad():
             expected = model.remote_blocks(hidden[:, :position])  # a forward, on the server left
         torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-5, rtol=0)

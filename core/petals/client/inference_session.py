@@ -186,7 +186,7 @@ class InferenceSession:
         if self.position == 0:
             self._first_prompts = prompts
         step_id = str(uuid.uuid4())
-        self.manager.update_in_background()  # revocations reach this session's route (may_use below)
+        self.manager.refresh_membership_in_background()  # revocations reach this route (may_use below)
         at = ChainPosition()
         while at.block < len(self.manager):
             try:

@@ -33,7 +33,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ from petals.client.measurements import ServerMeasurements
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
-from petals.membership import MembershipError
+from petals.membership import MembershipError, SwarmMembership
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
 from petals.policies.routing import ROUTINGS, RouteCandidates
@@ -107,8 +107,8 @@ class RemoteSequenceManager:
         self.suspects = Suspects()  # caught lying by ``verification``: banned for good
         self.routing = ROUTINGS[getattr(config, "routing", "ours")]()
         self.routing_rng = np.random.default_rng()
-        self._background_update: asyncio.Future | None = None  # referenced until it ends
-        self._background_since = -float("inf")
+        self._refreshing: asyncio.Future | None = None  # a background read of revocations, referenced
+        self._refreshed = -float("inf")
 
     def __len__(self) -> int:
         return len(self.block_uids)
@@ -146,7 +146,7 @@ class RemoteSequenceManager:
         )
         self.pings.update(zip(unreached, rtts, strict=True))
 
-    def eligible(self, peers: Iterable[PeerID]) -> set[PeerID]:
+    def eligible(self, spans: dict[PeerID, RemoteSpanInfo]) -> set[PeerID]:
         """The servers this client may use at all, the one place that decides: ``allowed_servers``,
         ``blocked_servers`` and, in a private swarm, a valid server certificate (``petals.membership``)."""
         allowed = _peer_set(self.config.allowed_servers)
@@ -154,43 +154,43 @@ class RemoteSequenceManager:
         membership = self.network.membership
         return {
             peer
-            for peer in peers
+            for peer in spans
             if (allowed is None or peer in allowed)
             and peer not in blocked
             and (membership is None or membership.is_server(peer))
         }
 
     def may_use(self, peer: PeerID) -> bool:
-        """Whether ``peer`` is still eligible, as of the last update (its certificate may have been revoked
-        since a session chose it)."""
-        return bool(self.eligible([peer]))
+        """Whether a route chosen earlier may still use ``peer``: of ``eligible``'s rules, only a private
+        swarm's certificate can change after the choice (it may have been revoked or have expired since)."""
+        membership = self.network.membership
+        return membership is None or membership.is_server(peer)
 
     async def ensure_fresh(self) -> None:
-        if self._update_due():
+        if time.monotonic() - self.last_update > self.config.update_period:
             await self.update()
 
-    def update_in_background(self) -> None:
-        """Start an update if one is due, without waiting for it: an open session's steps call this, so
-        that a revocation reaches routes chosen before it (``may_use``) while steps go on."""
-        now = time.monotonic()
+    def refresh_membership_in_background(self) -> None:
+        """In a private swarm, re-read the revocation list once an update period has passed, without
+        waiting for it: an open session's steps call this, so that a revocation reaches routes chosen
+        before it (``may_use``) while steps go on."""
+        membership, now = self.network.membership, time.monotonic()
         if (
-            self._background_update is None
-            and self._update_due()
-            and now - self._background_since > self.config.update_period
+            membership is None
+            or self._refreshing is not None
+            or now - self._refreshed < self.config.update_period
         ):
-            self._background_since = now  # a failing one is not started again before an update period
-            self._background_update = asyncio.ensure_future(self._update_quietly())
+            return
+        self._refreshed = now  # when it was started: a failing read is not retried before a period either
+        self._refreshing = asyncio.ensure_future(self._refresh_membership(membership))
 
-    def _update_due(self) -> bool:
-        return time.monotonic() - self.last_update > self.config.update_period
-
-    async def _update_quietly(self) -> None:
+    async def _refresh_membership(self, membership: SwarmMembership) -> None:
         try:
-            await self.update()
-        except Exception as error:  # the next route to be chosen reads the DHT again and reports it
-            logger.debug("Background update failed: %s", error)
+            await membership.refresh(self.network.node)
+        except Exception as error:  # the next period tries again; the list in use stays
+            logger.debug("Could not refresh the revocation list: %s", error)
         finally:
-            self._background_update = None
+            self._refreshing = None
 
     def usable_spans(self) -> list[RemoteSpanInfo]:
         """Spans of servers that are neither banned nor known to be unreachable."""
