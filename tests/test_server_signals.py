@@ -181,10 +181,19 @@ def test_dht_stops_cleanly(dhts, name, target):
     assert_gone(daemons)
 
 
-def test_dht_killed_outright_leaves_no_daemon(dhts):
-    """p2pd runs in a session of its own, yet exits by itself when its Python process dies."""
+def test_dht_killed_outright_leaves_no_daemon_and_no_socket(dhts):
+    """p2pd runs in a session of its own, yet exits by itself when its Python process dies; the unix
+    sockets neither could remove are removed by the handle that stops it."""
     dht = dhts["killed"]
     daemons = daemons_of(dht)
+    sockets = {
+        connection.laddr
+        for process in [psutil.Process(dht.pid), *daemons]
+        for connection in process.net_connections(kind="unix")
+        if "/hivemind-" in str(connection.laddr)
+    }
+    assert sockets  # the daemon's control socket (a server's Python process listens on one more)
     dht.process.kill()
     assert exit_code(dht) == -signal.SIGKILL
     assert_gone(daemons)
+    assert not [path for path in sockets if os.path.exists(path)]

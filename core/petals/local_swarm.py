@@ -4,7 +4,8 @@
 
 Every process runs with ``--loopback`` (listen on 127.0.0.1, no NAT port mapping, no AutoNAT, no
 relays), so nothing leaves the machine. Processes are stopped through their own handles (SIGINT,
-then SIGKILL after a timeout), never by matching names. ``own_process_group=True`` starts one in a
+then SIGKILL after a timeout), never by matching names; the unix sockets a killed process and its p2p
+daemon leave in /tmp are removed. ``own_process_group=True`` starts one in a
 new session, as its own process group (pgid == pid), for tests that signal the whole group.
 
     with start_dht() as dht, start_server(model_dir, dht.initial_peers, "--block_indices", "0:2") as server:
@@ -23,6 +24,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import psutil
 
 from petals.server.server import READY_MESSAGE
 
@@ -54,6 +57,7 @@ class SwarmProcess:
             start_new_session=own_process_group,
         )
         self.own_process_group = own_process_group
+        self._sockets: set[str] = set()  # hivemind's unix sockets of this process and its p2p daemon
         self.stdout_lines: list[str] = []
         self.log_lines: list[str] = []
         self._changed = threading.Condition()
@@ -95,6 +99,7 @@ class SwarmProcess:
             while True:
                 result = predicate()
                 if result:
+                    self._note_sockets()
                     return result
                 if self.process.poll() is not None and not any(reader.is_alive() for reader in self._readers):
                     raise SwarmProcessError(
@@ -110,9 +115,27 @@ class SwarmProcess:
             lambda: next((line for line in self.log_lines if text in line), None), timeout, repr(text)
         )
 
+    def _note_sockets(self) -> None:
+        """Remember the unix sockets hivemind made for this process and its p2p daemon (in /tmp): a process
+        killed with SIGKILL, or a daemon killed under it, cannot remove its own."""
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(self.pid)
+            for member in [process, *process.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    for connection in member.net_connections(kind="unix"):
+                        if isinstance(connection.laddr, str) and "/hivemind-" in connection.laddr:
+                            self._sockets.add(connection.laddr)
+
+    def _remove_sockets(self) -> None:
+        for path in self._sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
     def stop(self, timeout: float = 15) -> int:
-        """SIGINT, then SIGKILL if it has not exited within ``timeout`` s; returns the exit code."""
+        """SIGINT, then SIGKILL if it has not exited within ``timeout`` s; returns the exit code. Removes
+        the sockets it leaves behind."""
         if self.process.poll() is None:
+            self._note_sockets()
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout)
@@ -121,6 +144,7 @@ class SwarmProcess:
                 self.process.wait()
         for reader in self._readers:
             reader.join(timeout=5)
+        self._remove_sockets()
         return self.process.returncode
 
     def __enter__(self) -> SwarmProcess:
