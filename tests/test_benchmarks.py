@@ -101,3 +101,27 @@ def test_import_cost_lists_what_each_group_of_a_servers_imports_adds(unpatched):
     assert lines[-1].startswith(
         f"  imported: torch._dynamo.convert_frame {compiler}, scipy.optimize._optimize {compiler}"
     )
+
+
+def test_suite_cpu_charges_each_process_to_its_kind_and_test_file(tmp_path):
+    records = tmp_path / "processes.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.suite_cpu", "--json", str(records)]
+        + ["-q", "-p", "no:cacheprovider", "tests/test_cli_dht.py"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = result.stdout.split("== suite CPU:")[1]
+    by_kind, by_file = report.split("== by kind of process")[1].split("== by test file")
+    # the bootstrap peers the tests start, their daemons, and pytest itself
+    for kind in ("petals dht", "p2pd", "pytest"):
+        assert kind in by_kind, report
+    assert "tests/test_cli_dht.py" in by_file, report
+    run = json.loads(records.read_text())
+    attributed = sum(process["cpu"] for process in run["processes"])
+    assert 0 < attributed <= run["cpu_seconds"] + 0.5  # samples see less than the exact total, never more
+    assert f"floor on {run['cores']} cores: {run['cpu_seconds'] / run['cores']:.1f} s" in report
+    assert {process["test_file"] for process in run["processes"]} == {"", "tests/test_cli_dht.py"}
