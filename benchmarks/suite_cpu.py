@@ -3,10 +3,10 @@
     python -m benchmarks.suite_cpu [--json FILE] [PYTEST ARGS ...]
 
 A diagnostic, not part of the suite (Linux only). It runs ``python -m pytest`` with the given arguments
-as its child and reads ``/proc`` every 0.4 s: each process the tests start inherits
-``PYTEST_CURRENT_TEST``, which names the test that started it, so every server, bootstrap peer, p2p
-daemon and command-line run is charged to a test file and to a kind (``petals serve``, ``p2pd``,
-``python -c`` ...). The total is exact: this process adopts orphaned daemons (a child subreaper), so
+as its child and reads ``/proc`` every 0.4 s for pytest and its descendants (no other process): each
+process the tests start inherits ``PYTEST_CURRENT_TEST``, which names the test that started it, so
+every server, bootstrap peer, p2p daemon and command-line run is charged to a test file and to a kind
+(``petals serve``, ``p2pd``, ``python -c`` ...). The total is exact: this process adopts orphaned daemons (a child subreaper), so
 ``getrusage`` counts every process of the run once it is reaped; what the samples attribute is a lower
 bound (a process shorter than a sample, or its last 0.4 s, escapes them).
 
@@ -64,8 +64,8 @@ def kind_of(command: str) -> str:
     return command.split(" ", 1)[0].rsplit("/", 1)[-1]
 
 
-def read_process(pid: str) -> tuple[int, float, str, str | None] | None:
-    """(start time, CPU seconds, command line, test) of ``pid``, or None if it is gone."""
+def read_process(pid: int) -> tuple[int, int, float, str, str | None] | None:
+    """(parent, start time, CPU seconds, command line, test) of ``pid``, or None if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()
@@ -76,27 +76,33 @@ def read_process(pid: str) -> tuple[int, float, str, str | None] | None:
     test = next(
         (item[len(TEST_VARIABLE) :].decode() for item in environ if item.startswith(TEST_VARIABLE)), None
     )
-    return int(fields[19]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, command.strip(), test
+    cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[1]), int(fields[19]), cpu, command.strip(), test
 
 
-def sample(processes: dict[tuple[int, int], Process | None], pytest_pid: int) -> None:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue  # this process may itself run under a test
-        found = read_process(pid)
-        if found is None:
+def sample(processes: dict[tuple[int, int], Process], pytest_pid: int) -> None:
+    """Update ``processes`` with pytest and its descendants (orphans adopted by this process included):
+    not another pytest's processes on the same machine, even under a test of the same name."""
+    found = {int(pid): read_process(int(pid)) for pid in os.listdir("/proc") if pid.isdigit()}
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, record in found.items():
+        if record is not None:
+            children[record[0]].append(pid)
+    ours, pending = set(), [os.getpid(), pytest_pid, *(process.pid for process in processes.values())]
+    while pending:
+        for child in children.pop(pending.pop(), []):
+            ours.add(child)
+            pending.append(child)
+    ours.add(pytest_pid)
+    ours.discard(os.getpid())
+    for pid in ours:
+        if (record := found.get(pid)) is None:
             continue
-        started, cpu, command, test = found
-        key = (int(pid), started)
-        if key not in processes:
-            if int(pid) == pytest_pid:
-                processes[key] = Process(int(pid), kind_of(command), "", command[:300])
-            elif test is not None:
-                processes[key] = Process(int(pid), kind_of(command), test.split("::", 1)[0], command[:300])
-            else:
-                processes[key] = None  # not started by a test
-        if (process := processes[key]) is not None:
-            process.cpu = cpu
+        _, started, cpu, command, test = record
+        if (pid, started) not in processes:
+            test_file = "" if pid == pytest_pid else (test or "(no test)").split("::", 1)[0]
+            processes[(pid, started)] = Process(pid, kind_of(command), test_file, command[:300])
+        processes[(pid, started)].cpu = cpu
 
 
 def reap_adopted(pytest_pid: int) -> None:
@@ -145,7 +151,7 @@ def main() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"Error: cannot adopt orphaned daemons (prctl: errno {ctypes.get_errno()}); Linux only")
-    processes: dict[tuple[int, int], Process | None] = {}
+    processes: dict[tuple[int, int], Process] = {}
     started = time.perf_counter()
     pytest = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args])
     threading.Thread(target=reap_adopted, args=(pytest.pid,), daemon=True).start()
@@ -160,12 +166,12 @@ def main() -> None:
     deadline = time.monotonic() + 30  # daemons orphaned at the very end are still exiting
     while time.monotonic() < deadline:
         reap_orphans()
-        if not any(os.path.exists(f"/proc/{key[0]}") for key, process in processes.items() if process):
+        if not any(os.path.exists(f"/proc/{pid}") for pid, _ in processes):
             break
         time.sleep(0.2)
     reap_orphans()
     total = children_cpu()
-    records = [process for process in processes.values() if process is not None]
+    records = list(processes.values())
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_file: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for process in records:
