@@ -34,8 +34,11 @@ demo: $(INSTALLED)
 tune-demo: $(INSTALLED)
 	$(BIN)/petals demo --tune
 
+# JOBS=N: N pytest workers, each taking whole test files (a file's shared swarm starts once). On 2 cores
+# JOBS=2 took 11:36-11:39 against 14:53 in one process: the suite's CPU sets the floor (benchmarks.suite_cpu)
+JOBS ?=
 test: $(INSTALLED)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(JOBS),-n $(JOBS) --dist loadfile)
 
 # line coverage of core/petals over the test suite, servers' processes included (about 2x the suite's time);
 # PYTEST_ARGS picks tests, e.g. make coverage PYTEST_ARGS=tests/test_server_swarm.py
