@@ -99,7 +99,8 @@ class SwarmProcess:
             while True:
                 result = predicate()
                 if result:
-                    self._note_sockets()
+                    if not self._sockets:  # once: ``peer_id`` may be read often
+                        self._note_sockets()
                     return result
                 if self.process.poll() is not None and not any(reader.is_alive() for reader in self._readers):
                     raise SwarmProcessError(
