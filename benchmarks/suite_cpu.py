@@ -119,15 +119,16 @@ def reap_adopted(pytest_pid: int) -> None:
             os.waitpid(exited.si_pid, 0)
 
 
-def reap_orphans() -> None:
-    """Reap adopted daemons that have exited (their CPU then counts in this process's children)."""
+def reap_orphans() -> bool:
+    """Reap adopted daemons that have exited (their CPU then counts in this process's children); whether
+    any is still running."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
+            return True
 
 
 def children_cpu() -> float:
@@ -164,12 +165,8 @@ def main() -> None:
         pytest.wait()
     wall = time.perf_counter() - started
     deadline = time.monotonic() + 30  # daemons orphaned at the very end are still exiting
-    while time.monotonic() < deadline:
-        reap_orphans()
-        if not any(os.path.exists(f"/proc/{pid}") for pid, _ in processes):
-            break
+    while reap_orphans() and time.monotonic() < deadline:
         time.sleep(0.2)
-    reap_orphans()
     total = children_cpu()
     records = list(processes.values())
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
