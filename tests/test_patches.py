@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from hivemind.p2p import P2PContext, P2PHandlerError
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
@@ -406,6 +406,84 @@ def test_a_server_limit_refuses_only_inbound_streams_of_its_own_p2p(caplog):
             # the streams the server opens as a client, and the other peer's handlers, are not limited:
             # 4 * LIMIT bytes go to the peer and come back
             assert await call_echo(server, peer.peer_id, 4 * LIMIT) == 4 * LIMIT
+        finally:
+            for p2p in (peer, server):
+                if p2p is not None:
+                    await leave_network(p2p, None)
+
+    asyncio.run(scenario())
+
+
+async def refuse_odd(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """Echoes a request of even length, fails on one of odd length."""
+    async for request in requests:
+        if len(request.metadata) % 2:
+            raise ValueError("odd")
+        yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the other end closes the stream within ``seconds`` (nothing more may arrive)."""
+    try:
+        async with asyncio.timeout(seconds):
+            assert await reader.read() == b""
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_failed_stream_closes_after_its_caller_so_that_its_error_arrives(monkeypatch):
+    """p2pd resets a stream whose handler closes it, and the reset can overtake the error still on its
+    way (the CI saw ``rpc_inference`` answer a refused request with nothing). After an error the
+    server's end stays open until the caller closes its own, or for ``CALLER_CLOSE_GRACE`` seconds."""
+    assert patches._ERROR_MARKER == P2P.ERROR_MARKER  # what the writer watches for
+
+    async def open_and_send(p2p, peer_id, size: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, "refuse_odd")
+        await P2P.send_protobuf(echo_request(size), writer)  # no end-of-stream: the caller stays
+        return reader, writer
+
+    async def scenario() -> None:
+        server = await NetworkOptions(**LOOPBACK).create_p2p()
+        peer = None
+        try:
+            patches.limit_inbound_message_size(server, LIMIT)
+            await server.add_protobuf_handler(
+                "refuse_odd", refuse_odd, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+            )
+            maddrs = [str(maddr) for maddr in await server.get_visible_maddrs()]
+            peer = await NetworkOptions(initial_peers=maddrs, **LOOPBACK).create_p2p()
+
+            reader, writer = await open_and_send(peer, server.peer_id, 11)
+            response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+            assert response is None and error.message == "odd"
+            assert not await closed_within(reader, 1.0)  # the server waits for us
+            await P2P.send_protobuf(echo_request(12), writer)  # what still comes is dropped
+            assert not await closed_within(reader, 0.2)
+            writer.close()
+
+            # a caller that stays: the server closes after the grace
+            monkeypatch.setattr(patches, "CALLER_CLOSE_GRACE", 0.5)
+            reader, writer = await open_and_send(peer, server.peer_id, 11)
+            assert (await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))[1].message == "odd"
+            assert await closed_within(reader, 10.0)
+            writer.close()
+
+            # a stream that succeeds closes as soon as its handler is done, as hivemind closes it
+            responses = await peer.iterate_protobuf_handler(
+                server.peer_id, "refuse_odd", as_aiter(echo_request(10)), runtime_pb2.ExpertResponse
+            )
+            started = asyncio.get_running_loop().time()
+            assert [len(response.metadata) async for response in responses] == [10]
+            assert asyncio.get_running_loop().time() - started < 0.4  # not the 0.5 s grace
+            # and hivemind's client still sees the error of a failed one
+            with pytest.raises(P2PHandlerError, match="odd"):
+                responses = await peer.iterate_protobuf_handler(
+                    server.peer_id, "refuse_odd", as_aiter(echo_request(9)), runtime_pb2.ExpertResponse
+                )
+                [response async for response in responses]
         finally:
             for p2p in (peer, server):
                 if p2p is not None:

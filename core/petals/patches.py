@@ -10,7 +10,9 @@ hivemind 1.1.12 offers no option for three things petals needs, so petals change
   the daemon (``petals.network.p2p``);
 * a server's P2P refuses, unread, an inbound stream message longer than the server accepts
   (``limit_inbound_message_size``): hivemind reads a stream message whole, however long its header
-  says it is, before a handler sees it.
+  says it is, before a handler sees it. The same wrapper lets a stream that ended in an error close
+  only after its caller has: p2pd resets a stream its handler closes, and the reset can overtake the
+  error on its way to the caller.
 
 Each is a ``Patch`` in ``PATCHES``: the attribute it replaces, the distribution whose code it was
 written against and the versions it was tested with. Applying one first checks the installed
@@ -219,12 +221,21 @@ def p2pd_started_apart() -> Iterator[list[asyncio.subprocess.Process]]:
 
 def limit_inbound_message_size(p2p: P2P, max_bytes: int) -> None:
     """Refuse any message longer than ``max_bytes`` that another peer sends on a stream to one of
-    ``p2p``'s handlers registered after this call, before reading its body.
+    ``p2p``'s handlers registered after this call, before reading its body; and let those handlers'
+    streams that end in an error close after their caller.
 
     Unary calls are capped by the daemon; streams are not. The stream is closed unread (hivemind
     logs the ``MessageTooLarge`` and closes it) and one INFO line says so. Streams this ``p2p``
     opens as a client, and other ``P2P`` instances, keep hivemind's behaviour. Calling it again
     changes the limit of the streams that open afterwards.
+
+    Why the close waits: when a handler closes its end, p2pd (``doStreamPipe``) closes the libp2p
+    stream for reading and writing, its other copying goroutine then fails to read and *resets* the
+    stream, and a reset that reaches the caller's side before the caller's daemon has read the last
+    message discards that message (yamux drops buffered data on reset). The last message of a failed
+    stream is its error, so after sending one the stream is closed only once the caller has closed
+    its end (hivemind's client closes as soon as it reads the error), or after
+    ``CALLER_CLOSE_GRACE`` seconds. Successful streams close at once: a caller reads until the close.
     """
     INBOUND_MESSAGE_LIMIT.check_version()
     registering = vars(p2p).get("add_binary_stream_handler")
@@ -234,17 +245,61 @@ def limit_inbound_message_size(p2p: P2P, max_bytes: int) -> None:
     p2p.add_binary_stream_handler = _BoundedStreams(p2p.add_binary_stream_handler, max_bytes)
 
 
+CALLER_CLOSE_GRACE = 5.0  # seconds a failed stream waits for its caller to close first
+
+
 class _BoundedStreams:
-    """``P2P.add_binary_stream_handler`` of one instance, whose handlers read through a ``_BoundedReader``."""
+    """``P2P.add_binary_stream_handler`` of one instance, whose handlers read through a
+    ``_BoundedReader`` and write through an ``_ErrorAwareWriter``."""
 
     def __init__(self, register: Callable, max_bytes: int) -> None:
         self.register, self.max_bytes = register, max_bytes
 
     async def __call__(self, name: str, handler: Callable, balanced: bool = False) -> None:
         async def bounded_handler(stream_info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
-            await handler(stream_info, _BoundedReader(reader, self.max_bytes), writer)
+            watched = _ErrorAwareWriter(writer)
+            try:
+                await handler(stream_info, _BoundedReader(reader, self.max_bytes), watched)
+                if watched.sent_error:
+                    await _until_caller_closes(reader, CALLER_CLOSE_GRACE)
+            finally:
+                writer.close()
 
         await self.register(name, bounded_handler, balanced)
+
+
+class _ErrorAwareWriter:
+    """A stream's writer that notes whether an error was sent and leaves closing to ``_BoundedStreams``.
+
+    hivemind's ``P2P.send_protobuf`` writes an error's one-byte marker in a call of its own."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer, self.sent_error = writer, False
+
+    def write(self, data: bytes) -> None:
+        if data == _ERROR_MARKER:
+            self.sent_error = True
+        self._writer.write(data)
+
+    def close(self) -> None:
+        """The handler is done; the stream is closed when ``_BoundedStreams``' handler returns."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+_ERROR_MARKER = b"\x01"  # hivemind.p2p.P2P.ERROR_MARKER, checked by tests/test_patches.py
+
+
+async def _until_caller_closes(reader: asyncio.StreamReader, timeout: float) -> None:
+    """Read and drop what the caller still sends until it closes its end, for at most ``timeout`` s."""
+    import asyncio
+
+    with contextlib.suppress(Exception):  # a broken connection is closed too
+        async with asyncio.timeout(timeout):
+            await asyncio.sleep(0)  # hivemind has just cancelled its pending read: let it let go first
+            while await reader.read(2**16):
+                pass
 
 
 class _BoundedReader:
