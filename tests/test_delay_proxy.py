@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import socketserver
+import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -118,6 +121,24 @@ def test_closing_the_proxy_closes_open_connections(echo_port):
     sock.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+
+
+def test_a_proxy_closed_while_a_dropped_link_drains_leaves_no_task_behind(monkeypatch):
+    """The target resets the connection: one direction of the link fails while the other still holds
+    the end of its stream for the delay. Closing the proxy then must finish that direction too: a task
+    left pending when the proxy's loop closes raises later, from the garbage collector (CI saw it)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with socket.create_server(("127.0.0.1", 0)) as target:
+        proxy = DelayProxy(target.getsockname()[1], delay_ms=2_000).start()
+        with socket.create_connection(("127.0.0.1", proxy.port)):
+            accepted, _ = target.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            accepted.close()  # a reset, not an orderly close
+            time.sleep(0.3)  # the proxy reads the reset; the other direction now waits out its delay
+            proxy.close()
+    gc.collect()
+    assert [hook.exc_value for hook in unraisable] == []
 
 
 def test_a_server_behind_the_proxy_is_reached_through_it(tiny_model_path):

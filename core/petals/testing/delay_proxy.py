@@ -65,7 +65,6 @@ class DelayProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
     def start(self) -> DelayProxy:
@@ -97,37 +96,44 @@ class DelayProxy:
         self.close()
 
     async def _shutdown(self) -> None:
+        """Stop accepting, then end every other task of this proxy's loop (a connection just accepted,
+        a link's two directions, their senders): one left pending when the loop closes raises later,
+        from the garbage collector."""
         self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        this = asyncio.current_task()
+        while others := asyncio.all_tasks() - {this}:
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
         for writer in list(self._writers):
             writer.close()
         await self._server.wait_closed()
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._connections.add(task)
         self._writers.add(client_writer)
-        target_writer = None
+        target_writer, directions = None, []
         try:
             target_reader, target_writer = await asyncio.open_connection(self.host, self.target_port)
             self._writers.add(target_writer)
             for sock_writer in (client_writer, target_writer):
                 sock = sock_writer.get_extra_info("socket")
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.gather(
-                self._pipe(client_reader, target_writer, "to server"),
-                self._pipe(target_reader, client_writer, "from server"),
-            )
+            directions = [
+                asyncio.create_task(self._pipe(client_reader, target_writer, "to server")),
+                asyncio.create_task(self._pipe(target_reader, client_writer, "from server")),
+            ]
+            await asyncio.gather(*directions)
         except (OSError, asyncio.IncompleteReadError):
             pass  # a peer went away: the other side is closed below, as a real link would drop
         finally:
+            for direction in directions:  # when one direction failed, the other ends with it
+                direction.cancel()
+            if directions:
+                await asyncio.wait(directions)
             for writer in (client_writer, target_writer):
                 if writer is not None:
                     writer.close()
                     self._writers.discard(writer)
-            self._connections.discard(task)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         """Read chunks as they come; a second task writes each one ``delay_ms`` after it arrived."""
