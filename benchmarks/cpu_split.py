@@ -8,6 +8,8 @@ latency benchmarks, generates 64 greedy tokens through it and with plain transfo
 and of their p2p daemons before and after: time on a CPU, and time spent runnable but waiting for
 one. On a machine where the client and the servers share few cores, the waits show who took the
 cores the critical path needed (e.g. a client's idle OpenMP worker spinning while servers compute).
+Each thread's page faults (``stat``) and moves from one CPU to another (``sched``'s ``nr_migrations``:
+its caches stay behind) per token come with it, events a VM without hardware counters still counts.
 """
 
 from __future__ import annotations
@@ -32,32 +34,46 @@ def descendants(pid: int) -> list[int]:
     return [pid, *(child.pid for child in process.children(recursive=True))]
 
 
-def thread_times(groups: dict[str, list[int]]) -> dict[tuple[str, str, int], tuple[int, int]]:
-    """``(group, process name, thread id) -> (ns on a CPU, ns waiting to run)`` for every thread."""
+def thread_times(groups: dict[str, list[int]]) -> dict[tuple[str, str, int], tuple[int, int, int, int]]:
+    """``(group, process name, thread id) -> (ns on a CPU, ns waiting to run, page faults, CPU
+    migrations)`` for every thread."""
     times = {}
     for group, pids in groups.items():
         for pid in pids:
             try:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
                 for tid in os.listdir(f"/proc/{pid}/task"):
-                    running, waiting, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
-                    times[(group, name, int(tid))] = (int(running), int(waiting))
+                    task = Path(f"/proc/{pid}/task/{tid}")
+                    running, waiting, _ = (task / "schedstat").read_text().split()
+                    stat = (task / "stat").read_text().rsplit(")", 1)[1].split()  # fields after the name
+                    faults = int(stat[7]) + int(stat[9])  # minflt, majflt
+                    times[(group, name, int(tid))] = (int(running), int(waiting), faults, _migrations(task))
             except OSError:  # a process or thread that ended
                 continue
     return times
+
+
+def _migrations(task: Path) -> int:
+    for line in (task / "sched").read_text().splitlines():
+        if line.startswith("se.nr_migrations"):
+            return int(line.split(":")[1])
+    return 0
 
 
 def report(label: str, seconds: float, before: dict, after: dict) -> None:
     print(f"== {label}: {seconds / NEW_TOKENS * 1e3:.2f} ms per token")
     total = 0
     for key in sorted(after):
-        running, waiting = (now - then for now, then in zip(after[key], before.get(key, (0, 0)), strict=True))
+        running, waiting, faults, migrations = (
+            now - then for now, then in zip(after[key], before.get(key, (0, 0, 0, 0)), strict=True)
+        )
         total += running
         if max(running, waiting) / NEW_TOKENS > 0.1e6:  # threads that did something
             group, name, tid = key
             print(
                 f"  {group:8} {name:8} thread {tid}: CPU {running / NEW_TOKENS / 1e6:.2f} ms/token, "
-                f"waiting for a CPU {waiting / NEW_TOKENS / 1e6:.2f} ms/token"
+                f"waiting for a CPU {waiting / NEW_TOKENS / 1e6:.2f} ms/token, "
+                f"{faults / NEW_TOKENS:.1f} page faults and {migrations / NEW_TOKENS:.2f} CPU moves per token"
             )
     print(f"  all threads: CPU {total / NEW_TOKENS / 1e6:.2f} ms/token")
 
