@@ -108,7 +108,15 @@ class BlockBackend:
     def inference_step(
         self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: PagedCache | ShardedCache
     ) -> torch.Tensor:
-        with torch.inference_mode(), using_adapter(self.module, self.adapter) as module:
+        """One step of a session. A caller running many blocks per step enters ``torch.inference_mode``
+        once around them all: entering it and the adapter context per block cost about 15 us a block
+        (0.3-2.6% of a tiny Llama's decode step, 0.6-1.0% of SmolLM2's, at one thread)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.inference_step(hidden, prompt, cache)
+        if self.adapter is None and not getattr(self.module, "petals_adapters", None):
+            return self.module(self._input(hidden, prompt), cache)
+        with using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), cache)
 
     def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache | ShardedCache:

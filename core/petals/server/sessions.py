@@ -85,8 +85,9 @@ class ServerInferenceSession:
         return self.backends[index].inference_step(hidden, prompt, self.caches[index])
 
     def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
-        for index, prompt in enumerate(prompts):
-            hidden = self.run_block(index, hidden, prompt)
+        with torch.inference_mode():
+            for index, prompt in enumerate(prompts):
+                hidden = self.run_block(index, hidden, prompt)
         return hidden.cpu()
 
 
@@ -128,11 +129,12 @@ def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[
     if ready and steps[0].hidden.shape[1] > 0:  # not a pre-allocation or rewind-only step
         batch = [steps[index] for index in ready]
         hidden = torch.cat([step.hidden for step in batch])
-        for block, backend in enumerate(batch[0].session.backends):
-            started = time.perf_counter() if traces else 0.0
-            caches = [step.session.caches[block] for step in batch]
-            hidden = backend.inference_step(hidden, None, caches[0].merged(caches))
-            _record_block(traces, backend, started)
+        with torch.inference_mode():  # once for all blocks (see BlockBackend.inference_step)
+            for block, backend in enumerate(batch[0].session.backends):
+                started = time.perf_counter() if traces else 0.0
+                caches = [step.session.caches[block] for step in batch]
+                hidden = backend.inference_step(hidden, None, caches[0].merged(caches))
+                _record_block(traces, backend, started)
         outputs = hidden.cpu().split([step.hidden.shape[0] for step in batch])
     else:
         outputs = [steps[index].hidden for index in ready]
