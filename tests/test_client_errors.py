@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -119,3 +120,54 @@ def test_leaving_the_swarm_prints_no_pending_task_warnings(swarm):
     assert result.returncode == 0 and "done" in result.stdout, result.stderr
     assert "Task was destroyed" not in result.stderr, result.stderr
     assert "Exception ignored" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("answer", ["nothing", "cut short"])
+def test_a_streamed_answer_that_ends_early_is_a_server_fault_to_retry_elsewhere(answer):
+    """A stream that closes early ends like a complete one (the reader sees only the close): an empty or
+    cut-short answer to a streamed forward is the server's (or the link's) fault, retried on another
+    server, not a ValueError that ends the user's call."""
+    from hivemind.proto import runtime_pb2
+
+    from petals.client.routing import judge_failure
+    from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
+    from petals.network.rpc import call_chain, protocol
+    from petals.wire import MAX_UNARY_PAYLOAD_SIZE, serialize_tensor, split_tensor
+
+    hidden = torch.zeros(1, MAX_UNARY_PAYLOAD_SIZE // 4 + 1)  # over the unary limit: streamed
+
+    async def early_end(requests, context):
+        async for _ in requests:
+            pass
+        if answer == "cut short":
+            parts = split_tensor(serialize_tensor(hidden), chunk_size=MAX_UNARY_PAYLOAD_SIZE // 2)
+            yield runtime_pb2.ExpertResponse(tensors=parts[:1])
+
+    async def scenario() -> BaseException:
+        loopback = dict(host_maddrs=LOOPBACK_MADDRS, nat_port_map=False, auto_nat=False, use_relay=False)
+        server = await NetworkOptions(**loopback).create_p2p()
+        client = None
+        try:
+            await server.add_protobuf_handler(
+                protocol("rpc_forward_stream"),
+                early_end,
+                runtime_pb2.ExpertRequest,
+                stream_input=True,
+                stream_output=True,
+            )
+            maddrs = [str(maddr) for maddr in await server.get_visible_maddrs()]
+            client = await NetworkOptions(initial_peers=maddrs, **loopback).create_p2p()
+            with pytest.raises(EOFError) as error:
+                await call_chain(client, server.peer_id, "rpc_forward", "x.0", [hidden], {}, timeout=30)
+            return error.value
+        finally:
+            for p2p in (client, server):
+                if p2p is not None:
+                    await leave_network(p2p, None)
+
+    error = asyncio.run(scenario())
+    expected = (
+        "without an answer" if answer == "nothing" else "cut short: a streamed tensor announced 3 parts but 1"
+    )
+    assert expected in str(error)
+    assert judge_failure(error) == (True, True)  # retried elsewhere, this server banned for a while

@@ -18,6 +18,7 @@ from hivemind.utils.asyncio import as_aiter
 
 from petals.wire import (
     MAX_UNARY_PAYLOAD_SIZE,
+    WireError,
     combine_tensor_parts,
     deserialize_tensors,
     request_parts,
@@ -56,7 +57,15 @@ async def call_chain(
         responses = await p2p.iterate_protobuf_handler(
             peer_id, protocol(f"{method}_stream"), parts, runtime_pb2.ExpertResponse
         )
-        return combine_tensor_parts([part async for response in responses for part in response.tensors])
+        answer = [part async for response in responses for part in response.tensors]
+        # a stream closed early ends like a complete one (hivemind reads until the close): say so, as a
+        # fault of the server's or the link's that another server may not have
+        if not answer:
+            raise EOFError(f"{method}_stream: the server closed the stream without an answer")
+        try:
+            return combine_tensor_parts(answer)
+        except WireError as error:
+            raise EOFError(f"{method}_stream: the answer was cut short: {error}") from error
 
     return await asyncio.wait_for(streamed(), timeout)
 
