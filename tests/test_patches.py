@@ -414,13 +414,16 @@ def test_a_server_limit_refuses_only_inbound_streams_of_its_own_p2p(caplog):
     asyncio.run(scenario())
 
 
-async def refuse_odd(
+REFUSED = runtime_pb2.ExpertRequest(metadata=b"refuse me")
+
+
+async def refuse_some(
     requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """Echoes a request of even length, fails on one of odd length."""
+    """Echoes each request, and fails on one that asks for it."""
     async for request in requests:
-        if len(request.metadata) % 2:
-            raise ValueError("odd")
+        if request.metadata.startswith(b"refuse"):
+            raise ValueError("refused")
         yield runtime_pb2.ExpertResponse(metadata=request.metadata)
 
 
@@ -438,27 +441,26 @@ def test_a_failed_stream_closes_after_its_caller_so_that_its_error_arrives(monke
     """p2pd resets a stream whose handler closes it, and the reset can overtake the error still on its
     way (the CI saw ``rpc_inference`` answer a refused request with nothing). After an error the
     server's end stays open until the caller closes its own, or for ``CALLER_CLOSE_GRACE`` seconds."""
-    assert patches._ERROR_MARKER == P2P.ERROR_MARKER  # what the writer watches for
 
-    async def open_and_send(p2p, peer_id, size: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, "refuse_odd")
-        await P2P.send_protobuf(echo_request(size), writer)  # no end-of-stream: the caller stays
+    async def open_and_send(p2p, peer_id) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, "refuse_some")
+        await P2P.send_protobuf(REFUSED, writer)  # no end-of-stream: the caller stays
         return reader, writer
 
     async def scenario() -> None:
         server = await NetworkOptions(**LOOPBACK).create_p2p()
         peer = None
         try:
-            patches.limit_inbound_message_size(server, LIMIT)
+            patches.limit_inbound_message_size(server, 2**20)
             await server.add_protobuf_handler(
-                "refuse_odd", refuse_odd, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+                "refuse_some", refuse_some, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
             )
             maddrs = [str(maddr) for maddr in await server.get_visible_maddrs()]
             peer = await NetworkOptions(initial_peers=maddrs, **LOOPBACK).create_p2p()
 
-            reader, writer = await open_and_send(peer, server.peer_id, 11)
+            reader, writer = await open_and_send(peer, server.peer_id)
             response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-            assert response is None and error.message == "odd"
+            assert response is None and error.message == "refused"
             assert not await closed_within(reader, 1.0)  # the server waits for us
             await P2P.send_protobuf(echo_request(12), writer)  # what still comes is dropped
             assert not await closed_within(reader, 0.2)
@@ -466,22 +468,28 @@ def test_a_failed_stream_closes_after_its_caller_so_that_its_error_arrives(monke
 
             # a caller that stays: the server closes after the grace
             monkeypatch.setattr(patches, "CALLER_CLOSE_GRACE", 0.5)
-            reader, writer = await open_and_send(peer, server.peer_id, 11)
-            assert (await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))[1].message == "odd"
+            reader, writer = await open_and_send(peer, server.peer_id)
+            assert (await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))[1].message == "refused"
             assert await closed_within(reader, 10.0)
             writer.close()
 
-            # a stream that succeeds closes as soon as its handler is done, as hivemind closes it
-            responses = await peer.iterate_protobuf_handler(
-                server.peer_id, "refuse_odd", as_aiter(echo_request(10)), runtime_pb2.ExpertResponse
-            )
-            started = asyncio.get_running_loop().time()
-            assert [len(response.metadata) async for response in responses] == [10]
-            assert asyncio.get_running_loop().time() - started < 0.4  # not the 0.5 s grace
-            # and hivemind's client still sees the error of a failed one
-            with pytest.raises(P2PHandlerError, match="odd"):
+            # a stream that succeeds closes as soon as its handler is done, as hivemind closes it, even
+            # when a chunk of its answer is the error marker's byte alone: a body of 65,537 bytes
+            # (hivemind writes 64 KiB chunks) that ends with it
+            monkeypatch.setattr(patches, "CALLER_CLOSE_GRACE", 60.0)
+            tricky = runtime_pb2.ExpertRequest(metadata=b"x" * 65_532 + P2P.ERROR_MARKER)
+            assert len(runtime_pb2.ExpertResponse(metadata=tricky.metadata).SerializeToString()) == 65_537
+            for request in (echo_request(10), tricky):
                 responses = await peer.iterate_protobuf_handler(
-                    server.peer_id, "refuse_odd", as_aiter(echo_request(9)), runtime_pb2.ExpertResponse
+                    server.peer_id, "refuse_some", as_aiter(request), runtime_pb2.ExpertResponse
+                )
+                async with asyncio.timeout(30):  # not the 60 s grace
+                    echoed = [response.metadata async for response in responses]
+                assert echoed == [request.metadata]
+            # and hivemind's client still sees the error of a failed one
+            with pytest.raises(P2PHandlerError, match="refused"):
+                responses = await peer.iterate_protobuf_handler(
+                    server.peer_id, "refuse_some", as_aiter(REFUSED), runtime_pb2.ExpertResponse
                 )
                 [response async for response in responses]
         finally:

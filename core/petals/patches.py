@@ -271,24 +271,41 @@ class _BoundedStreams:
 class _ErrorAwareWriter:
     """A stream's writer that notes whether an error was sent and leaves closing to ``_BoundedStreams``.
 
-    hivemind's ``P2P.send_protobuf`` writes an error's one-byte marker in a call of its own."""
+    It follows hivemind's framing of what is written (``P2P.send_protobuf``: a one-byte marker, an
+    8-byte length, the body in chunks), so that only a marker counts: a body chunk may be that byte too.
+    """
 
     def __init__(self, writer: Any) -> None:
+        from hivemind.p2p import P2P
+
         self._writer, self.sent_error = writer, False
+        self._framing = P2P
+        self._header: bytearray | None = None  # None: the next byte is a message's marker
+        self._body_left = 0
 
     def write(self, data: bytes) -> None:
-        if data == _ERROR_MARKER:
-            self.sent_error = True
         self._writer.write(data)
+        view = memoryview(data)
+        while view:
+            if self._body_left:
+                taken = min(self._body_left, len(view))
+                self._body_left -= taken
+            elif self._header is None:
+                self.sent_error = self.sent_error or view[:1] == self._framing.ERROR_MARKER
+                self._header, taken = bytearray(), 1
+            else:
+                taken = self._framing.HEADER_LEN - len(self._header)
+                self._header += view[:taken]
+                if len(self._header) == self._framing.HEADER_LEN:
+                    self._body_left = int.from_bytes(self._header, self._framing.BYTEORDER)
+                    self._header = None
+            view = view[taken:]
 
     def close(self) -> None:
         """The handler is done; the stream is closed when ``_BoundedStreams``' handler returns."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
-
-
-_ERROR_MARKER = b"\x01"  # hivemind.p2p.P2P.ERROR_MARKER, checked by tests/test_patches.py
 
 
 async def _until_caller_closes(reader: asyncio.StreamReader, timeout: float) -> None:
