@@ -18,6 +18,7 @@ import pytest
 from hivemind.p2p import P2P, P2PContext, P2PHandlerError
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -41,6 +42,7 @@ def test_every_patch_declares_what_it_replaces_and_the_versions_it_was_written_f
         "hivemind.utils.serializer:MSGPackSerializer.loads",
         "asyncio.subprocess:create_subprocess_exec",
         "hivemind.p2p:P2P.add_binary_stream_handler (of one P2P instance)",
+        "hivemind.p2p:P2P.send_protobuf, hivemind.p2p.p2p_daemon_bindings.control:write_pbmsg",
     ]
     for patch in patches.PATCHES:
         assert patch.reason and patch.versions
@@ -71,6 +73,54 @@ def test_patches_are_applied_once():
     assert MSGPackSerializer.loads is loads
     with pytest.raises(MsgpackLimitError):  # checked before the C decoder would overflow its stack
         MSGPackSerializer.loads(nested_tuples(200))
+
+
+class RecordingWriter:
+    """What a ``StreamWriter`` is asked to write, call by call."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    async def drain(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("size", [0, 1, 200, 2**16 - 9, 2**16 - 8, 2**16, 3 * 2**16 + 5])
+def test_a_stream_message_is_written_whole_and_reads_back_the_same(size):
+    patches.apply_patches()
+    message = runtime_pb2.ExpertResponse(metadata=b"m" * size)
+    body = message.SerializeToString()
+    for sent, marker in ((message, P2P.MESSAGE_MARKER), (RPCError(message="no" * size), P2P.ERROR_MARKER)):
+        writer = RecordingWriter()
+        asyncio.run(P2P.send_protobuf(sent, writer))
+        wire = b"".join(writer.writes)
+        body = sent.SerializeToString()
+        assert wire == marker + len(body).to_bytes(8, "big") + body  # hivemind's framing, byte for byte
+        assert len(writer.writes) == max(1, -(-len(body) // 2**16))  # one write per 64 KiB chunk
+
+        async def read_back(wire: bytes) -> tuple:
+            reader = asyncio.StreamReader()
+            reader.feed_data(wire)
+            return await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+
+        response, error = asyncio.run(read_back(wire))
+        assert (response, error) == ((message, None) if sent is message else (None, sent))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_383, 16_384, 2**21 + 5])
+def test_a_daemon_message_is_written_whole_with_the_same_bytes(size):
+    from hivemind.p2p.p2p_daemon_bindings import control, utils
+
+    patches.apply_patches()
+    message = runtime_pb2.ExpertRequest(metadata=b"u" * size)
+    ours, hiveminds = RecordingWriter(), RecordingWriter()
+    asyncio.run(control.write_pbmsg(ours, message))
+    asyncio.run(utils.write_pbmsg(hiveminds, message))  # hivemind's own, still defined there
+    assert b"".join(ours.writes) == b"".join(hiveminds.writes)
+    assert len(ours.writes) == 1 < len(hiveminds.writes)  # hivemind: each varint byte, then the body
 
 
 # ---- import patches ------------------------------------------------------------------------------

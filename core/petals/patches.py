@@ -1,6 +1,6 @@
 """Every change petals makes to a third-party library, each checked against the version it was written for.
 
-hivemind 1.1.12 offers no option for three things petals needs, so petals changes its behaviour:
+hivemind 1.1.12 offers no option for four things petals needs, so petals changes its behaviour:
 
 * ``MSGPackSerializer.loads`` checks nesting depth and size first (``petals.bounded_msgpack``): the
   DHT decodes every key, subkey and value through this class attribute, and less than a kilobyte of
@@ -12,7 +12,11 @@ hivemind 1.1.12 offers no option for three things petals needs, so petals change
   (``limit_inbound_message_size``): hivemind reads a stream message whole, however long its header
   says it is, before a handler sees it. The same wrapper lets a stream that ended in an error close
   only after its caller has: p2pd resets a stream its handler closes, and the reset can overtake the
-  error on its way to the caller.
+  error on its way to the caller;
+* each message to the p2p daemon is written whole, in one ``write`` (``P2P.send_protobuf`` on streams,
+  ``write_pbmsg`` for unary calls and the daemon's control): hivemind writes a stream message's marker,
+  length and body, and a unary message's length byte by byte, in separate writes, and each write is a
+  system call the daemon may wake up for and forward as a frame of its own. The bytes are the same.
 
 Each is a ``Patch`` in ``PATCHES``: the attribute it replaces, the distribution whose code it was
 written against and the versions it was tested with. Applying one first checks the installed
@@ -94,6 +98,36 @@ class Patch:
                 f"petals patches {self.target} as {self.distribution} {tested} has it, but {self.distribution} "
                 f"{installed} is installed: pip install '{self.distribution}=={self.versions[-1]}'"
             )
+
+
+def _write_messages_whole() -> None:
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings import control
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    chunk = 2**16  # as hivemind's send_raw_data: a long body goes in chunks of this size
+
+    async def send_protobuf(protobuf: Any, writer: asyncio.StreamWriter) -> None:
+        marker = P2P.ERROR_MARKER if isinstance(protobuf, RPCError) else P2P.MESSAGE_MARKER
+        body = memoryview(protobuf.SerializeToString())
+        writer.write(b"".join((marker, len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER), body[:chunk])))
+        for offset in range(chunk, len(body), chunk):
+            writer.write(body[offset : offset + chunk])
+        await writer.drain()
+
+    async def write_pbmsg(stream: asyncio.StreamWriter, pbmsg: Any) -> None:
+        body = pbmsg.SerializeToString()
+        size, varint = len(body), bytearray()
+        while True:  # an unsigned varint, 7 bits a byte, least significant first
+            varint.append(size & 0x7F | (0x80 if size >> 7 else 0))
+            size >>= 7
+            if not size:
+                break
+        stream.write(bytes(varint) + body)
+        await stream.drain()
+
+    P2P.send_protobuf = staticmethod(send_protobuf)
+    control.write_pbmsg = write_pbmsg
 
 
 def _bound_msgpack_decoding() -> None:
@@ -189,7 +223,14 @@ INBOUND_MESSAGE_LIMIT = Patch(
     reason="P2P registers its stream handlers through it and reads a message body with one "
     "readexactly(length), however long the length header says it is",
 )
-PATCHES: tuple[Patch, ...] = (BOUNDED_MSGPACK, P2PD_APART, INBOUND_MESSAGE_LIMIT)
+WHOLE_MESSAGES = Patch(
+    "hivemind.p2p:P2P.send_protobuf, hivemind.p2p.p2p_daemon_bindings.control:write_pbmsg",
+    *HIVEMIND,
+    reason="each writes one message to the p2p daemon in several writes (a stream message in three, "
+    "a unary message's length byte by byte), each a system call the daemon may forward on its own",
+    install=_write_messages_whole,
+)
+PATCHES: tuple[Patch, ...] = (BOUNDED_MSGPACK, P2PD_APART, INBOUND_MESSAGE_LIMIT, WHOLE_MESSAGES)
 
 _applied: set[str] = set()
 _applying = threading.Lock()
