@@ -86,7 +86,10 @@ class BlockBackend:
     def backward_graph(self, graph: BlockGraph, grad_output: torch.Tensor) -> torch.Tensor:
         """Gradient of ``sum(graph.output * grad_output)`` w.r.t. the block's input (prompt added)."""
         grad = grad_output.to(self.device, graph.output.dtype)
-        (grad_input,) = torch.autograd.grad(graph.output, graph.block_input, grad)
+        # the same gradient, seeded by a scalar: torch checks an explicit seed's shape with its symbolic
+        # shapes, whose first use imports sympy (30 MiB) into the server
+        with torch.enable_grad():
+            (grad_input,) = torch.autograd.grad((graph.output * grad).sum(), graph.block_input)
         return grad_input
 
     def backward(
