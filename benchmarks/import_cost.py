@@ -5,7 +5,8 @@
 A diagnostic, not part of the suite. One fresh Python process imports, in the order ``petals serve``
 meets them, what a tiny-Llama server imports, and prints what each group adds given the ones before
 it. ``--unpatched`` keeps only the hivemind import patch of ``petals.patches`` (as before the
-torch._dynamo and scipy.optimize ones), for comparison in the same session. Seconds on a shared
+torch._dynamo and scipy.optimize ones, and before ``petals serve`` kept transformers from importing
+torch.distributed's DTensor, FSDP and sympy), for comparison in the same session. Seconds on a shared
 machine are noise; the memory is not.
 """
 
@@ -24,7 +25,7 @@ GROUPS = (
     ("interpreter, click, petals.cli.run_server", ("petals.cli.run_server",)),
     ("torch", ("torch",)),
     ("transformers (top level)", ("transformers",)),
-    ("sympy (torch's symbolic shapes)", ("sympy",)),
+    ("sympy (torch's symbolic shapes)", ("sympy",)),  # the next group imports it
     ("torch.distributed.tensor, fsdp", ("torch.distributed.tensor", "torch.distributed.fsdp")),
     ("transformers' loading code", ("transformers.core_model_loading", "transformers.modeling_utils")),
     ("transformers.masking_utils", ("transformers.masking_utils",)),
@@ -32,6 +33,8 @@ GROUPS = (
     ("hivemind (dht, p2p)", ("hivemind.dht", "hivemind.p2p")),
     ("petals server", ("petals.server.server", "petals.server.throughput", "petals_llama.block")),
 )
+# what a server no longer imports: petals serve starts with serve_without_torch_distributed (with transformers)
+UNPATCHED_ONLY = {"sympy (torch's symbolic shapes)", "torch.distributed.tensor, fsdp"}
 WATCHED = ("torch._dynamo.convert_frame", "scipy.optimize._optimize", "sympy", "torch.distributed.tensor")
 
 
@@ -49,7 +52,11 @@ def measure(unpatched: bool) -> None:
     before = process.memory_full_info().uss
     total_seconds = 0.0
     for what, modules in GROUPS:
+        if what in UNPATCHED_ONLY and not unpatched:
+            continue
         started, count = time.perf_counter(), len(sys.modules)
+        if what == "transformers (top level)" and not unpatched:
+            patches.serve_without_torch_distributed()
         for module in modules:
             importlib.import_module(module)
         seconds = time.perf_counter() - started
