@@ -33,7 +33,7 @@ GROUPS = (
     ("hivemind (dht, p2p)", ("hivemind.dht", "hivemind.p2p")),
     ("petals server", ("petals.server.server", "petals.server.throughput", "petals_llama.block")),
 )
-# what a server no longer imports: petals serve starts with serve_without_torch_distributed (with transformers)
+# what a server no longer imports: petals serve starts with without_torch_distributed (with transformers)
 UNPATCHED_ONLY = {"sympy (torch's symbolic shapes)", "torch.distributed.tensor, fsdp"}
 WATCHED = ("torch._dynamo.convert_frame", "scipy.optimize._optimize", "sympy", "torch.distributed.tensor")
 
@@ -56,7 +56,7 @@ def measure(unpatched: bool) -> None:
             continue
         started, count = time.perf_counter(), len(sys.modules)
         if what == "transformers (top level)" and not unpatched:
-            patches.serve_without_torch_distributed()
+            patches.without_torch_distributed()
         for module in modules:
             importlib.import_module(module)
         seconds = time.perf_counter() - started

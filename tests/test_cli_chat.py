@@ -105,3 +105,27 @@ def test_generate_says_what_it_does_while_connecting_and_routing(smol_swarm):
     assert -1 not in positions and positions == sorted(positions), result.stderr
     assert "Route: blocks 0:18 on ..." in result.stderr and "blocks 18:30 on ..." in result.stderr
     assert "Paris" in result.stdout
+
+
+def test_generate_imports_neither_torch_distributed_tensor_nor_fsdp(smol_swarm):
+    """Its client never creates a process group: petals' commands keep transformers' loading code from
+    importing DTensor and FSDP (``petals.patches.without_torch_distributed``). (sympy still comes: torch
+    initializes the embeddings transformers builds on the meta device through its Python reference ops.)"""
+    path, peer = smol_swarm
+    result = subprocess.run(
+        [sys.executable, "-m", "petals.cli", "generate", str(path), "--initial_peers", peer, "--loopback"]
+        + ["--max_new_tokens", "2", QUESTION],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # python -X importtime: "import time: <self us> | <cumulative us> | <indented module name>"
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert {"torch", "transformers.modeling_utils", "petals.client.inference_session"} <= imported
+    assert not imported & {"torch.distributed.tensor", "torch.distributed.fsdp"}

@@ -610,9 +610,9 @@ def test_a_server_imports_neither_torch_distributed_tensor_fsdp_nor_sympy(tiny_m
 AFTER_LOADING_CODE = """
 import sys
 import petals
-from petals.patches import serve_without_torch_distributed
+from petals.patches import without_torch_distributed
 {before}
-serve_without_torch_distributed()
+without_torch_distributed()
 import transformers.core_model_loading, transformers.modeling_utils
 from transformers.utils import is_torch_distributed_available
 print(is_torch_distributed_available(), *(name in sys.modules for name in {unused}))

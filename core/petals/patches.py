@@ -49,10 +49,11 @@ starts with about 45 MiB less and 0.5 s sooner; docs/performance.md has the meas
 touches only these packages, and none imported already). An import patch that finds an untested
 version leaves the import alone: it only saves memory and time.
 
-One more is a server's alone: ``petals serve`` first makes transformers' ``is_torch_distributed_available``
-answer False (``serve_without_torch_distributed``), so that transformers' loading code does not import
-DTensor and FSDP, nor sympy through them (43 MiB and 0.8 s of a server's start), for the process groups
-a server never creates. Clients and other processes keep transformers as it is.
+One more is for petals' own commands alone: ``petals serve``, ``chat``, ``generate``, ``tune``, ``api`` and
+``demo`` first make transformers' ``is_torch_distributed_available`` answer False
+(``without_torch_distributed``), so that transformers' loading code does not import DTensor and FSDP,
+nor sympy through them (43 MiB and 0.8 s of a server's start), for process groups these processes never
+create. A program that imports petals keeps transformers as it is.
 """
 
 from __future__ import annotations
@@ -638,7 +639,7 @@ def _is_tested(patch: Patch) -> bool:
     try:
         patch.check_version()
     except (UntestedVersionError, importlib.metadata.PackageNotFoundError) as error:
-        logger.debug("Importing %s unchanged: %s", patch.target, error)
+        logger.debug("Leaving %s unchanged: %s", patch.target, error)
         return False
     return True
 
@@ -649,7 +650,7 @@ def install_import_patches(patches: Sequence[ImportPatch] = IMPORT_PATCHES) -> N
         sys.meta_path.insert(0, _ImportPatchFinder(patches))
 
 
-# ---- a server's view of torch.distributed --------------------------------------------------------
+# ---- petals commands' view of torch.distributed --------------------------------------------------------
 
 
 def _torch_distributed_unused() -> None:
@@ -668,19 +669,21 @@ TORCH_DISTRIBUTED_UNUSED = Patch(
     "transformers",
     ("5.24.0",),
     reason="transformers' loading code imports DTensor and FSDP (and, through them, sympy) at module level "
-    "whenever torch.distributed is built in, for process groups a server never creates",
+    "whenever torch.distributed is built in, for process groups petals' commands never create",
     install=_torch_distributed_unused,
 )
 
 
-def serve_without_torch_distributed() -> None:
-    """Make transformers treat torch.distributed as absent in this process: ``petals serve`` calls it first.
+def without_torch_distributed() -> None:
+    """Make transformers treat torch.distributed as absent in this process: petals' commands call it first.
 
-    A server never creates a process group (its tensor parallelism is the ``tensor_parallel`` library's,
-    in one process), so transformers' parallel code has nothing to do in it, but its loading code
-    imports ``torch.distributed.tensor`` and FSDP at module level, and sympy through them: 43 MiB and
-    0.8 s of every server's start. Does nothing once any of that code is imported (its ``if`` ran
-    already) or with a transformers version it was not tested with."""
+    A server or a command's client never creates a process group (a server's tensor parallelism is the
+    ``tensor_parallel`` library's, in one process), so transformers' parallel code has nothing to do
+    there, but its loading code imports ``torch.distributed.tensor`` and FSDP at module level, and sympy
+    through them: 43 MiB and 0.8 s of a server's start (a client still imports sympy: torch initializes
+    the embeddings transformers builds on the meta device through its Python reference ops). Does
+    nothing once any of that code is imported (its ``if`` ran already) or with a transformers version it
+    was not tested with."""
     if any(name.startswith("transformers.distributed") for name in sys.modules) or not _is_tested(
         TORCH_DISTRIBUTED_UNUSED
     ):

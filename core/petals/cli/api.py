@@ -9,6 +9,7 @@ import click
 
 from petals.cli.errors import PetalsCommand
 from petals.cli.options import VERIFY_OPTION, private_swarm_options
+from petals.patches import without_torch_distributed
 
 READY_MESSAGE = "petals api: serving"
 
@@ -83,6 +84,7 @@ def api_command(
     **private_swarm: str | None,
 ) -> None:
     """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
+    without_torch_distributed()  # before anything imports transformers' loading code
     from petals.api.service import Limits
 
     limits = Limits(

@@ -17,6 +17,7 @@ import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
 from petals.cli.generate import client_options, connect, sampling_kwargs, status
+from petals.patches import without_torch_distributed
 
 PROMPT = "You: "
 FULL_MESSAGE = (
@@ -81,6 +82,7 @@ class Conversation:
 @click.option("--system", default=None, help="A system message that starts every conversation.")
 def chat_command(model: str, max_length: int, system: str | None, **options: Any) -> None:
     """Chat with MODEL served by a swarm: one inference session, /reset for a new conversation, /exit to leave."""
+    without_torch_distributed()  # before anything imports transformers' loading code
     from transformers import TextStreamer
 
     configure_logging()

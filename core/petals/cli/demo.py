@@ -22,6 +22,7 @@ import click
 
 from petals.cli.errors import PetalsCommand
 from petals.cli.generate import encode, speculation_kwargs
+from petals.patches import without_torch_distributed
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
@@ -58,6 +59,7 @@ def demo_command(
     from petals.demo_model import prepare_demo_model, require_demo_plugin
     from petals.local_swarm import running_swarm
 
+    without_torch_distributed()  # before anything imports transformers' loading code
     require_demo_plugin(cache_dir)
 
     timings: dict[str, float] = {}

@@ -13,6 +13,7 @@ import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
 from petals.cli.options import PRIVATE_SWARM_OPTIONS, VERIFY_OPTION, private_swarm_option_list
+from petals.patches import without_torch_distributed
 
 PROMPT_LOOKUP_TOKENS = 10  # proposals per step: a wide-area round trip costs far more than verifying them
 
@@ -73,6 +74,7 @@ def generate_command(
     model: str, prompt: str, chat: bool, speculative: str | None, assistant: str | None, **options: Any
 ) -> None:
     """Generate text with MODEL's blocks served by a swarm, streaming tokens as they come."""
+    without_torch_distributed()  # before anything imports transformers' loading code
     from transformers import TextStreamer
 
     from petals.client.generation import StepStats

@@ -35,7 +35,7 @@ from petals.cli.options import (
 )
 from petals.cli.original_options import apply_original_options, original_petals_options, parse_size
 from petals.network.p2p import NetworkOptions
-from petals.patches import serve_without_torch_distributed
+from petals.patches import without_torch_distributed
 from petals.server.settings import (
     DTYPE_CHOICES,
     QUANT_TYPE_CHOICES,
@@ -241,7 +241,7 @@ def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
 def serve_command(model: str | None, **options: Any) -> None:
     """Serve blocks of MODEL (a Hugging Face repo id or a local directory) to the swarm."""
     configure_logging()
-    serve_without_torch_distributed()  # before anything imports transformers' loading code
+    without_torch_distributed()  # before anything imports transformers' loading code
     gc.disable()  # until the server is ONLINE: see collect_startup_garbage
     try:
         model = apply_original_options(model, options)

@@ -25,6 +25,7 @@ import click
 from petals.cli.errors import PetalsCommand, configure_logging
 from petals.cli.generate import connect, encode, status
 from petals.cli.options import option, private_swarm_options
+from petals.patches import without_torch_distributed
 
 STEP_ATTEMPTS = 3
 EXISTING_FILE = click.Path(exists=True, dir_okay=False)
@@ -288,6 +289,7 @@ class TuneRun:
 @private_swarm_options
 def tune_command(model: str, out: str, json_path: str | None, **options: Any) -> None:
     """Train prompts for MODEL through a swarm on prompt/completion rows and save them to --out."""
+    without_torch_distributed()  # before anything imports transformers' loading code
     import torch
 
     configure_logging()
