@@ -107,10 +107,10 @@ def test_generate_says_what_it_does_while_connecting_and_routing(smol_swarm):
     assert "Paris" in result.stdout
 
 
-def test_generate_imports_neither_torch_distributed_tensor_nor_fsdp(smol_swarm):
+def test_generate_imports_neither_torch_distributed_tensor_fsdp_nor_sympy(smol_swarm):
     """Its client never creates a process group: petals' commands keep transformers' loading code from
-    importing DTensor and FSDP (``petals.patches.without_torch_distributed``). (sympy still comes: torch
-    initializes the embeddings transformers builds on the meta device through its Python reference ops.)"""
+    importing DTensor and FSDP (``petals.patches.without_torch_distributed``); and the client builds its
+    local parts on the meta device without torch's Python reference ops, whose first use imports sympy."""
     path, peer = smol_swarm
     result = subprocess.run(
         [sys.executable, "-m", "petals.cli", "generate", str(path), "--initial_peers", peer, "--loopback"]
@@ -128,4 +128,4 @@ def test_generate_imports_neither_torch_distributed_tensor_nor_fsdp(smol_swarm):
         if line.startswith("import time:")
     }
     assert {"torch", "transformers.modeling_utils", "petals.client.inference_session"} <= imported
-    assert not imported & {"torch.distributed.tensor", "torch.distributed.fsdp"}
+    assert not imported & {"torch.distributed.tensor", "torch.distributed.fsdp", "sympy"}

@@ -680,10 +680,8 @@ def without_torch_distributed() -> None:
     A server or a command's client never creates a process group (a server's tensor parallelism is the
     ``tensor_parallel`` library's, in one process), so transformers' parallel code has nothing to do
     there, but its loading code imports ``torch.distributed.tensor`` and FSDP at module level, and sympy
-    through them: 43 MiB and 0.8 s of a server's start (a client still imports sympy: torch initializes
-    the embeddings transformers builds on the meta device through its Python reference ops). Does
-    nothing once any of that code is imported (its ``if`` ran already) or with a transformers version it
-    was not tested with."""
+    through them: 43 MiB and 0.8 s of a server's start. Does nothing once any of that code is imported
+    (its ``if`` ran already) or with a transformers version it was not tested with."""
     if any(name.startswith("transformers.distributed") for name in sys.modules) or not _is_tested(
         TORCH_DISTRIBUTED_UNUSED
     ):
