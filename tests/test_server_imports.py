@@ -1,6 +1,7 @@
 """A serving ``petals serve`` process imports what a server uses: not torch's compiler (through transformers),
-not scipy's optimizers, not hivemind's training subsystems, not petals' client, apps or tools
-(``petals.patches`` says how; docs/performance.md what it saves)."""
+not scipy's optimizers, not torch.distributed's DTensor and FSDP nor sympy, not hivemind's training
+subsystems, not petals' client, apps or tools (``petals.patches`` says how; docs/performance.md what it
+saves)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ NOT_IMPORTED = (
     "torch._dynamo.convert_frame",  # what dynamo's __init__ imports first: the compiler loaded
     "torch._inductor",
     "scipy.optimize._optimize",
+    "torch.distributed.tensor",  # transformers' loading code, for process groups a server never creates
+    "torch.distributed.fsdp",
+    "sympy",  # through those, and through an explicit backward seed's shape check
     "hivemind.averaging",
     "hivemind.moe",
     "hivemind.optim",
