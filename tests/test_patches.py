@@ -581,7 +581,8 @@ def test_a_failed_p2pd_is_explained_by_its_reason_even_when_a_log_line_came_afte
 
 # ---- a server's view of torch.distributed --------------------------------------------------------
 
-UNUSED_BY_A_SERVER = ("sympy", "torch.distributed.tensor", "torch.distributed.fsdp")  # as test_server_imports checks
+# what transformers' loading code imports for process groups (test_server_imports checks a server)
+UNUSED_BY_A_SERVER = ("sympy", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
 AFTER_LOADING_CODE = """
