@@ -90,31 +90,14 @@ def test_chat_keeps_one_conversation_resets_and_says_when_it_is_full(smol_swarm,
     assert chat.exitstatus == 0
 
 
-def test_generate_says_what_it_does_while_connecting_and_routing(smol_swarm):
-    path, peer = smol_swarm
-    result = subprocess.run(
-        [sys.executable, "-m", "petals.cli", "generate", str(path), "--initial_peers", peer, "--loopback"]
-        + ["--chat", "--max_new_tokens", "8", QUESTION],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    steps = ["Loading the tokenizer", "Joining the swarm through 1 initial peer", "Routing through the swarm"]
-    positions = [result.stderr.find(step) for step in steps]
-    assert -1 not in positions and positions == sorted(positions), result.stderr
-    assert "Route: blocks 0:18 on ..." in result.stderr and "blocks 18:30 on ..." in result.stderr
-    assert "Paris" in result.stdout
-
-
-def test_generate_imports_neither_torch_distributed_tensor_fsdp_nor_sympy(smol_swarm):
-    """Its client never creates a process group: petals' commands keep transformers' loading code from
-    importing DTensor and FSDP (``petals.patches.without_torch_distributed``); and the client builds its
+def test_generate_says_what_it_does_while_connecting_and_routing_and_imports_no_unused_parts(smol_swarm):
+    """Also: its client never creates a process group, so petals' commands keep transformers' loading code
+    from importing DTensor and FSDP (``petals.patches.without_torch_distributed``), and the client builds its
     local parts on the meta device without torch's Python reference ops, whose first use imports sympy."""
     path, peer = smol_swarm
     result = subprocess.run(
         [sys.executable, "-m", "petals.cli", "generate", str(path), "--initial_peers", peer, "--loopback"]
-        + ["--max_new_tokens", "2", QUESTION],
+        + ["--chat", "--max_new_tokens", "8", QUESTION],
         capture_output=True,
         text=True,
         timeout=300,
@@ -129,3 +112,8 @@ def test_generate_imports_neither_torch_distributed_tensor_fsdp_nor_sympy(smol_s
     }
     assert {"torch", "transformers.modeling_utils", "petals.client.inference_session"} <= imported
     assert not imported & {"torch.distributed.tensor", "torch.distributed.fsdp", "sympy"}
+    steps = ["Loading the tokenizer", "Joining the swarm through 1 initial peer", "Routing through the swarm"]
+    positions = [result.stderr.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), result.stderr
+    assert "Route: blocks 0:18 on ..." in result.stderr and "blocks 18:30 on ..." in result.stderr
+    assert "Paris" in result.stdout
