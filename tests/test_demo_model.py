@@ -1,0 +1,83 @@
+"""The demo model's preparation from the GGUF file on PyPI, without the swarm: reading its architecture
+from the header alone, and transformers parsing the file once (``petals.patches.gguf_parsed_once``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import gguf
+import numpy as np
+import pytest
+
+from petals import patches
+from petals.demo_model import gguf_architecture
+
+
+def write_gguf(path, architecture: str, *, architecture_last: bool) -> None:
+    """A GGUF file with arrays of strings and numbers, a scalar, a tensor, and the architecture first (as
+    gguf's writer puts it) or after every other key."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "hello", "wörld", ""])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, -2.5, 0.25])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_uint64("some.count", 7)
+    writer.add_bool("some.flag", True)
+    writer.add_tensor("weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    if architecture_last:
+        keys = writer.kv_data[0]
+        keys["general.architecture"] = keys.pop("general.architecture")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture_last", [False, True])
+def test_the_architecture_is_read_from_the_header_as_gguf_reads_it(tmp_path, architecture_last):
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama", architecture_last=architecture_last)
+    keys = list(gguf.GGUFReader(path).fields)
+    assert (keys.index("general.architecture") > keys.index("nested")) is architecture_last
+    assert (
+        gguf_architecture(path) == gguf.GGUFReader(path).fields["general.architecture"].contents() == "llama"
+    )
+
+
+def test_a_file_that_is_not_gguf_or_ends_early_is_refused_with_its_path(tmp_path):
+    full = tmp_path / "model.gguf"
+    write_gguf(full, "llama", architecture_last=True)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(full.read_bytes()[:60])
+    other = tmp_path / "config.json"
+    other.write_text('{"model_type": "llama"}' * 4)
+    with pytest.raises(ValueError, match="ends inside its GGUF header"):
+        gguf_architecture(short)
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        gguf_architecture(other)
+
+
+def test_within_gguf_parsed_once_each_file_is_parsed_once_and_gguf_is_restored_after(tmp_path):
+    assert importlib.metadata.version("gguf") in patches.GGUF_PARSED_ONCE.versions
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_gguf(first, "llama", architecture_last=False)
+    write_gguf(second, "falcon", architecture_last=False)
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with patches.gguf_parsed_once():
+        reader = gguf.GGUFReader(first)
+        assert gguf.GGUFReader(str(first)) is reader  # the same file, however named
+        assert gguf.GGUFReader(second) is not reader
+        assert gguf.GGUFReader(second).fields["general.architecture"].contents() == "falcon"
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2)
+        assert gguf.get_tensor_name_map(llama, 3) is not gguf.get_tensor_name_map(llama, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(first) is not gguf.GGUFReader(first)
+
+
+def test_gguf_parsed_once_changes_nothing_with_an_untested_gguf(tmp_path, monkeypatch):
+    untested = patches.Patch(patches.GGUF_PARSED_ONCE.target, "gguf", ("0.0.1",), "a test")
+    monkeypatch.setattr(patches, "GGUF_PARSED_ONCE", untested)
+    path = tmp_path / "a.gguf"
+    write_gguf(path, "llama", architecture_last=False)
+    with patches.gguf_parsed_once():
+        assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
