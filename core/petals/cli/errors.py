@@ -80,6 +80,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         text="failed to connect to bootstrap peers",
     ),
     KnownFailure("P2PDaemonError", lambda error: f"the p2p daemon failed: {_daemon_detail(error)}"),
+    KnownFailure("IdentityInUseError", str),
     KnownFailure("SwarmUnreachableError", str),
     KnownFailure("MissingBlocksError", str),
     KnownFailure("MembershipError", str),

@@ -4,7 +4,9 @@
 (the CLI resolves its options into one in ``petals.cli.options``).
 hivemind's ``P2P.create`` turns NAT port mapping (UPnP/NAT-PMP probes of the LAN gateway), AutoNAT
 and circuit relays on by default; ``--loopback`` turns all of them off and listens on 127.0.0.1 only,
-so a local swarm (tests, demos) sends nothing beyond the machine.
+so a local swarm (tests, demos) sends nothing beyond the machine. That includes the check that an
+``--identity_path`` is not online already, which petals makes itself with the peer's own options
+(hivemind's probe turned NAT port mapping and AutoNAT on regardless).
 
 hivemind (and with it torch) is imported only when a peer is created, so ``petals serve --help``
 and option errors come back at once.
@@ -25,7 +27,7 @@ import os
 import signal
 import weakref
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -72,6 +74,9 @@ class NetworkOptions:
         from petals.patches import apply_patches, p2pd_exit_reason, p2pd_started_apart, remove_p2pd_socket
 
         apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
+        extra = dict(self.extra)
+        if extra.pop("check_if_identity_free", True):
+            await self._refuse_identity_in_use()
         with p2pd_started_apart() as started:
             try:
                 p2p = await P2P.create(
@@ -84,7 +89,8 @@ class NetworkOptions:
                     use_relay=self.use_relay,
                     use_auto_relay=self.use_auto_relay,
                     startup_timeout=self.startup_timeout,
-                    **self.extra,
+                    check_if_identity_free=False,  # done above, with these options
+                    **extra,
                 )
             except P2PDaemonError as error:
                 if started:  # reap it here: reaped after the loop closed, asyncio warns after our error line
@@ -97,8 +103,46 @@ class NetworkOptions:
                 raise P2PDaemonError(f"Daemon failed to start: {reason}") from error
             finally:
                 _daemons.update(started)
-        _daemon_of[p2p] = started[-1]  # any p2pd before it checked whether our identity was taken
+        _daemon_of[p2p] = started[-1]
         return p2p
+
+    async def _refuse_identity_in_use(self) -> None:
+        """Raise ``IdentityInUseError`` if a peer with ``identity_path``'s peer id is online in the swarm.
+
+        hivemind checks this too (``check_if_identity_free``), but starts its probe peer with NAT port
+        mapping and AutoNAT on whatever this peer was told, so that ``--loopback`` still sent UPnP and
+        NAT-PMP probes to the LAN gateway. The probe here is a client-mode peer that listens nowhere and
+        has this peer's own NAT and relay options; like hivemind's, it asks the swarm to connect to the
+        peer id and is gone before this peer starts."""
+        if not (self.identity_path and self.initial_peers and os.path.isfile(self.identity_path)):
+            return  # a new identity, or no swarm to ask
+        from hivemind.p2p import PeerID
+        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+        with open(self.identity_path, "rb") as file:
+            peer_id = PeerID.from_identity(file.read())
+        logger.info("Checking that no peer of the swarm uses the identity in %s", self.identity_path)
+        probe_options = replace(
+            self,
+            announce_maddrs=None,
+            identity_path=None,
+            extra={**self.extra, "dht_mode": "client", "no_listen": True, "check_if_identity_free": False},
+        )
+        probe = await probe_options.create_p2p()
+        try:
+            await probe._client.connect(peer_id, [])  # how hivemind 1.1.12 checks: found and dialed
+        except ControlFailure:
+            return
+        finally:
+            await probe.shutdown()
+        raise IdentityInUseError(
+            f"--identity_path {self.identity_path} is in use: peer {peer_id} is online in this swarm "
+            "already; stop that peer, or start this one with another identity file (a new path creates one)"
+        )
+
+
+class IdentityInUseError(RuntimeError):
+    """Another online peer of the swarm has the peer id of this peer's ``--identity_path``."""
 
 
 class DaemonGone(ConnectionError):

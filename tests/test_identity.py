@@ -1,0 +1,81 @@
+"""``--identity_path`` of a swarm member: a peer id already online is refused before this peer starts,
+and the check that finds out sends nothing this peer's own options would not."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from hivemind.p2p import P2P
+
+from petals.cli.errors import explain
+from petals.network.p2p import LOOPBACK_MADDRS, IdentityInUseError, NetworkOptions
+from petals.testing.swarm import InProcessDht
+
+
+def loopback(initial_peers: list[str], identity_path: str | None) -> NetworkOptions:
+    return NetworkOptions(
+        initial_peers=initial_peers,
+        host_maddrs=LOOPBACK_MADDRS,
+        identity_path=identity_path,
+        nat_port_map=False,
+        auto_nat=False,
+        use_relay=False,
+    )
+
+
+def test_an_identity_online_already_is_refused_in_one_line_and_free_again_once_its_peer_left(tmp_path):
+    key = str(tmp_path / "server.key")
+    P2P.generate_identity(key)
+
+    async def scenario(initial_peers: list[str]) -> None:
+        first = await loopback(initial_peers, key).create_p2p()
+        try:
+            with pytest.raises(IdentityInUseError) as refusal:
+                await loopback(initial_peers, key).create_p2p()
+        finally:
+            await first.shutdown()
+        message = explain(refusal.value)
+        assert message == str(refusal.value) and "\n" not in message
+        assert f"--identity_path {key} is in use: peer {first.peer_id}" in message
+        again = await loopback(initial_peers, key).create_p2p()  # its peer left: the identity is free
+        assert again.peer_id == first.peer_id
+        await again.shutdown()
+
+    with InProcessDht().start() as dht:
+        asyncio.run(scenario(dht.initial_peers))
+
+
+def test_the_identity_check_starts_no_p2p_daemon_with_nat_traversal_this_peer_turned_off(
+    tmp_path, monkeypatch
+):
+    """hivemind's own check started its probe with UPnP/NAT-PMP and AutoNAT on, --loopback or not."""
+    key = str(tmp_path / "server.key")
+    P2P.generate_identity(key)
+    daemons: list[list[str]] = []
+    start = asyncio.subprocess.create_subprocess_exec
+
+    async def recording(program, *args, **kwargs):
+        if str(program).endswith("p2pd"):
+            daemons.append([str(arg) for arg in args])
+        return await start(program, *args, **kwargs)
+
+    async def create(options: NetworkOptions) -> None:
+        await (await options.create_p2p()).shutdown()
+
+    with InProcessDht().start() as dht:
+        monkeypatch.setattr(asyncio.subprocess, "create_subprocess_exec", recording)
+        asyncio.run(create(loopback(dht.initial_peers, key)))
+        assert len(daemons) == 2  # the check's probe, then the peer
+        probe, peer = daemons
+        for flags in daemons:
+            assert {"-natPortMap=0", "-autonat=0"} <= set(flags)
+            assert not any(re.match(r"-(relay|autoRelay)\w*=1", flag) for flag in flags)
+        assert "-noListenAddrs=1" in probe and "-noListenAddrs=1" not in peer
+        assert not any(flag.startswith("-id=") for flag in probe)  # the probe has an identity of its own
+
+        daemons.clear()  # a new identity file (created now), or no swarm to ask: nothing to check
+        asyncio.run(create(loopback(dht.initial_peers, str(tmp_path / "new.key"))))
+        asyncio.run(create(loopback([], key)))
+        assert len(daemons) == 2
