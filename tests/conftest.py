@@ -239,3 +239,22 @@ def tiny_llama_swarm(tiny_model_path) -> Iterator[tuple[Path, list[str]]]:
     path = tiny_model_path("llama")
     with inprocess_swarm(path, "0:2", "2:4") as (dht, _):
         yield path, dht.initial_peers
+
+
+# Debian's Chromium as the page tests start it (Playwright's own browser cannot be downloaded here). Its
+# background services look up Google's hosts even headless and under Playwright's flags (tcpdump of a whole
+# suite: accounts.google.com, update.googleapis.com, content-autofill.googleapis.com); it resolves no name
+# at all here, so nothing it does leaves 127.0.0.1, where the pages are served by address.
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = (
+    "--no-sandbox",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+
+
+def launch_chromium(playwright):
+    """A headless Chromium (``playwright.chromium.launch``) that resolves no host name."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))

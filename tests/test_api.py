@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import petals
-from conftest import LOOPBACK_CLIENT, inprocess_swarm
+from conftest import LOOPBACK_CLIENT, inprocess_swarm, launch_chromium
 from petals.api.text import StreamingText
 from petals.demo_model import prepare_demo_model
 from petals.testing.swarm import SwarmProcess, start_api
@@ -396,7 +396,7 @@ def test_chat_page_streams_an_answer_into_the_page(api_url, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 900, "height": 600})
             page.goto(api_url)

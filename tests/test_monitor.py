@@ -25,6 +25,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import petals
+from conftest import launch_chromium
 from petals.cli.health import CLEAR_SCREEN
 from petals.testing.swarm import InProcessDht, InProcessServer, SwarmProcess, start_monitor, start_server
 from petals.testing.wire_client import WireClient
@@ -378,7 +379,7 @@ def test_the_page_shows_coverage_bars_and_server_rows(swarm, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium")
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 1100, "height": 620})
             page.goto(swarm["monitor"].url)
