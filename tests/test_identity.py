@@ -10,19 +10,12 @@ import pytest
 from hivemind.p2p import P2P
 
 from petals.cli.errors import explain
-from petals.network.p2p import LOOPBACK_MADDRS, IdentityInUseError, NetworkOptions
-from petals.testing.swarm import InProcessDht
+from petals.network.p2p import IdentityInUseError, NetworkOptions
+from petals.testing.swarm import LOOPBACK_CLIENT, InProcessDht
 
 
 def loopback(initial_peers: list[str], identity_path: str | None) -> NetworkOptions:
-    return NetworkOptions(
-        initial_peers=initial_peers,
-        host_maddrs=LOOPBACK_MADDRS,
-        identity_path=identity_path,
-        nat_port_map=False,
-        auto_nat=False,
-        use_relay=False,
-    )
+    return NetworkOptions(initial_peers=initial_peers, identity_path=identity_path, **LOOPBACK_CLIENT)
 
 
 def test_an_identity_online_already_is_refused_in_one_line_and_free_again_once_its_peer_left(tmp_path):
