@@ -48,7 +48,8 @@ from petals.data_structures import make_uids
 from petals.testing.malformed import nested_metadata, nested_tuples
 from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm, start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
-from petals.wire import error_kind, request_parts, serialize_tensor, write_metadata
+from petals.wire import request_parts, serialize_tensor, write_metadata
+from petals.wire_errors import error_kind
 
 HIDDEN = 64
 PREFIX = "reliability-llama-hf"

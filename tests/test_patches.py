@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.metadata
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -159,6 +160,28 @@ def test_after_import_petals_hivemind_imports_only_the_subpackages_used_and_its_
     assert lines[0].startswith("['hivemind.averaging', 'hivemind.moe', 'hivemind.optim']")
 
 
+@pytest.mark.parametrize("package", ["hivemind", "hivemind.dht", "hivemind.utils"])
+def test_a_lazy_hivemind_package_exports_what_its_init_imports_and_the_same_objects(package):
+    """The export tables are read off the installed ``__init__`` files, and each name is the object the
+    ``__init__`` would have bound; a submodule is an attribute on first access, as after the ``__init__``."""
+    init = ast.parse(Path(importlib.util.find_spec(package).origin).read_text())
+    imports = {
+        alias.asname or alias.name: node.module
+        for node in init.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert patches._HIVEMIND_EXPORTS[package] == imports
+    if package != "hivemind":  # its subpackages import scipy, moe and more: the test above covers it
+        module = importlib.import_module(package)
+        for name, source in imports.items():
+            assert getattr(module, name) is getattr(importlib.import_module(source), name)
+    submodule = {"hivemind": "p2p", "hivemind.dht": "routing", "hivemind.utils": "nested"}[package]
+    assert getattr(importlib.import_module(package), submodule).__name__ == f"{package}.{submodule}"
+    with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'no_such_name'"):
+        _ = importlib.import_module(package).no_such_name
+
+
 def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
     code = HIVEMIND_IMPORTS.format(
         before="from petals import patches\n"
@@ -172,6 +195,8 @@ def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
 def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_for():
     assert [patch.module for patch in patches.IMPORT_PATCHES] == [
         "hivemind",
+        "hivemind.dht",
+        "hivemind.utils",
         "torch._dynamo",
         "scipy.optimize",
     ]

@@ -19,7 +19,7 @@ from petals.server.engine import PREFILL_CHUNK_TOKENS, ServingEngine
 from petals.server.metrics import ServerMetrics
 from petals.server.scheduler import Batch, Priority, Scheduler
 from petals.server.validation import Limits
-from petals.wire import NotServedError, WireError
+from petals.wire_errors import NotServedError, WireError
 from petals_llama.block import LlamaBlock
 from petals_llama.config import DistributedLlamaConfig
 

@@ -23,7 +23,8 @@ from petals.server.validation import (
     inference_args,
     max_request_bytes,
 )
-from petals.wire import NotServedError, WireError, pack_args_kwargs
+from petals.wire import pack_args_kwargs
+from petals.wire_errors import NotServedError, WireError
 
 HIDDEN = 8
 

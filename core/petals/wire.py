@@ -8,7 +8,6 @@ numpy sees the buffer). A malformed message raises ``WireError``, whose text goe
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from petals.bounded_msgpack import check_msgpack
+from petals.wire_errors import WireError, shown
 
 MAX_UNARY_PAYLOAD_SIZE = (
     2 * 1024**2
@@ -43,56 +43,6 @@ WIRE_COMPRESSIONS = {
     runtime_pb2.CompressionType.FLOAT16,
     runtime_pb2.CompressionType.MEANSTD_16BIT,
 }
-
-
-class WireError(ValueError):
-    """A request that does not follow the protocol; the message is sent back to the peer."""
-
-    kind = "bad_request"
-
-
-class NotServedError(WireError):
-    """The request names blocks this server does not (or no longer) serve."""
-
-    kind = "not_served"
-
-
-class UnauthorizedError(WireError):
-    """A private swarm's server refuses a caller that is not a member (``petals.membership``)."""
-
-    kind = "unauthorized"
-
-
-# What a refusal means to a client, sent as a "[kind] " prefix of the error text (the only field of
-# hivemind's RPCError; a stock Petals client just shows the text):
-ERROR_KINDS = {
-    "bad_request": "the request itself is wrong: retrying it anywhere fails the same way",
-    "not_served": "this server does not serve those blocks (any more): route again",
-    "cache_full": "no KV cache left for the session here: another server may have some",
-    "timeout": "the server gave up waiting (for the client or its compute queue)",
-    "internal": "the server failed while computing: another server may not",
-    "unauthorized": "a private swarm's server serves only members: the caller presented no valid certificate",
-}
-_KIND_PATTERN = re.compile(r"\[(" + "|".join(ERROR_KINDS) + r")\] ")
-
-
-def tag_error(kind: str, text: str) -> str:
-    return f"[{kind}] {text}"
-
-
-def error_kind(text: str) -> str | None:
-    """The kind a server of ours tagged its error text with (None from other servers)."""
-    match = _KIND_PATTERN.search(text)
-    return match.group(1) if match else None
-
-
-def cut(text: str, limit: int = 300) -> str:
-    """``text`` cut to ``limit`` characters: peers choose these strings, and logs must stay small."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    return cut(repr(value), limit)
 
 
 def deserialize_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:

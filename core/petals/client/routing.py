@@ -47,7 +47,7 @@ from petals.membership import MembershipError, SwarmMembership
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
 from petals.policies.routing import ROUTINGS, RouteCandidates
-from petals.wire import error_kind
+from petals.wire_errors import error_kind
 
 logger = logging.getLogger(__name__)
 

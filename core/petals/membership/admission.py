@@ -13,7 +13,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from petals.membership.documents import Certificate, MembershipError
-from petals.wire import UnauthorizedError, cut
+from petals.wire_errors import UnauthorizedError, cut
 
 if TYPE_CHECKING:
     from petals.membership import SwarmMembership

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 
-from petals.wire import cut
+from petals.wire_errors import cut
 
 AUTHORITY_KEY = "authority.key"
 AUTHORITY_PUB = "authority.pub"

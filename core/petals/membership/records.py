@@ -33,7 +33,7 @@ from petals.membership.documents import (
     signer,
     utc,
 )
-from petals.wire import cut
+from petals.wire_errors import cut
 
 if TYPE_CHECKING:
     from petals.membership import SwarmMembership

@@ -18,13 +18,13 @@ from hivemind.utils.asyncio import as_aiter
 
 from petals.wire import (
     MAX_UNARY_PAYLOAD_SIZE,
-    WireError,
     combine_tensor_parts,
     deserialize_tensors,
     request_parts,
     serialize_tensor,
     write_metadata,
 )
+from petals.wire_errors import WireError
 
 HANDLER = "TransformerConnectionHandler"
 

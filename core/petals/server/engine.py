@@ -49,7 +49,7 @@ from petals.server.validation import (
     inference_args,
 )
 from petals.tracing import NO_TRACE, StepTrace
-from petals.wire import WireError
+from petals.wire_errors import WireError
 
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
 PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)

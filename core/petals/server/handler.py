@@ -35,7 +35,6 @@ from petals.server.validation import StepArgs, check_output_compression, max_req
 from petals.tracing import NO_TRACE, StepTrace, enabled_by_env, server_step_trace
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
-    WireError,
     block_schemas,
     deserialize_tensors,
     read_metadata,
@@ -44,6 +43,7 @@ from petals.wire import (
     serialize_tensor,
     write_metadata,
 )
+from petals.wire_errors import WireError
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ class NoMetrics:
         pass
 
     def request_failed(self, rpc: str, kind: str) -> None:
-        """``kind`` is what the peer was told (``wire.ERROR_KINDS``): bad_request, cache_full, internal, ..."""
+        """``kind`` is what the peer was told (``wire_errors.ERROR_KINDS``): bad_request, cache_full, internal, ..."""
 
     def inference_step_done(self, seconds: float) -> None:
         """An inference step took ``seconds`` from its arrival to its answer."""

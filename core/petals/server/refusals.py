@@ -1,7 +1,7 @@
 """How a failed request reaches the peer: tagged with its kind, logged once, never as a traceback.
 
 A refusal (a malformed request, blocks not served, no KV cache left, a timeout) is the peer's
-problem or a passing state: one INFO line here, and ``[kind] text`` for the peer (``wire.ERROR_KINDS``),
+problem or a passing state: one INFO line here, and ``[kind] text`` for the peer (``wire_errors.ERROR_KINDS``),
 so our clients know whether to retry elsewhere. Anything else is our failure: logged with its
 traceback, and sent as ``[internal]``.
 """
@@ -18,7 +18,7 @@ from petals.kv_cache import OutOfPagesError
 from petals.membership import AdmissionGuard, admitted
 from petals.server.cache_budget import AllocationFailed
 from petals.server.metrics import NoMetrics
-from petals.wire import WireError, cut, tag_error
+from petals.wire_errors import WireError, cut, tag_error
 
 logger = logging.getLogger("petals.server.handler")
 

@@ -21,7 +21,7 @@ from petals.convert import ShardedCache
 from petals.kv_cache import BlockCache, CacheOverflowError, OutOfPagesError
 from petals.server.backend import BlockBackend
 from petals.tracing import NO_TRACE, StepTrace
-from petals.wire import WireError, shown
+from petals.wire_errors import WireError, shown
 
 
 @dataclass

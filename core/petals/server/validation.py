@@ -15,7 +15,8 @@ import torch
 
 from petals.data_structures import parse_uid_chain
 from petals.kv_cache import check_hypo_ids as _check_reorder
-from petals.wire import WIRE_DTYPES, NotServedError, WireError, is_dummy, shown, unpack_args
+from petals.wire import WIRE_DTYPES, is_dummy, unpack_args
+from petals.wire_errors import NotServedError, WireError, shown
 
 B = TypeVar("B")
 
