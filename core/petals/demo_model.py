@@ -124,7 +124,7 @@ def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
         DEMO_MODEL_NAME,
         source / GGUF_FILE,
     )
-    with gguf_parsed_once():  # transformers would parse the file three times: 34 s instead of 16 s here
+    with gguf_parsed_once():  # transformers would parse the file three times: 34 s instead of 14 s here
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(
             source,

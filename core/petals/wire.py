@@ -3,7 +3,8 @@
 Servers and clients share these helpers. Everything read from the network goes through
 ``read_metadata`` (MessagePack with hivemind's ext types only: tuples and tensor descriptors;
 nothing is ever unpickled) and ``deserialize_tensor`` (dtype, codec and byte count checked before
-numpy sees the buffer). A malformed message raises ``WireError``, whose text goes back to the peer.
+numpy sees the buffer). A malformed message raises ``WireError`` (``petals.wire_errors``, with the other
+kinds of refusal), whose text goes back to the peer.
 """
 
 from __future__ import annotations
