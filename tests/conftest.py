@@ -258,3 +258,10 @@ CHROMIUM_ARGS = (
 def launch_chromium(playwright):
     """A headless Chromium (``playwright.chromium.launch``) that resolves no host name."""
     return playwright.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
+
+
+def imported_modules(log_lines) -> set[str]:
+    """The modules a Python process run with ``PYTHONPROFILEIMPORTTIME=1`` imported, read from its stderr lines
+    ("import time: <self us> | <cumulative us> | <indented module name>"). A module imported by
+    ``importlib.import_module`` is not listed itself, only what its own import statements import."""
+    return {line.rsplit("|", 1)[1].strip() for line in log_lines if line.startswith("import time:")}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import imported_modules
 from petals.cli.chat import PROMPT
 from petals.demo_model import prepare_demo_model
 from petals.testing.swarm import inprocess_swarm
@@ -104,12 +105,7 @@ def test_generate_says_what_it_does_while_connecting_and_routing_and_imports_no_
         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    # python -X importtime: "import time: <self us> | <cumulative us> | <indented module name>"
-    imported = {
-        line.rsplit("|", 1)[1].strip()
-        for line in result.stderr.splitlines()
-        if line.startswith("import time:")
-    }
+    imported = imported_modules(result.stderr.splitlines())
     assert {"torch", "transformers.modeling_utils", "petals.client.inference_session"} <= imported
     assert not imported & {"torch.distributed.tensor", "torch.distributed.fsdp", "sympy"}
     steps = ["Loading the tokenizer", "Joining the swarm through 1 initial peer", "Routing through the swarm"]

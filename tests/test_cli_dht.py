@@ -9,6 +9,7 @@ import urllib.request
 
 from click.testing import CliRunner
 
+from conftest import imported_modules
 from petals.cli.run_dht import dht_command
 from petals.testing.swarm import start_dht, start_monitor
 
@@ -38,13 +39,6 @@ def test_help_shows_log_period_only_and_both_names_together_are_refused():
     assert "--log_period and --refresh_period are mutually exclusive" in both.output
 
 
-def imported(log_lines: list[str]) -> set[str]:
-    """The modules a process run with ``PYTHONPROFILEIMPORTTIME=1`` imported, read from its log."""
-    return {
-        line.split("|")[2].strip() for line in log_lines if line.startswith("import time:") and "|" in line
-    }
-
-
 def test_peers_without_blocks_import_neither_torch_nor_numpy(monkeypatch):
     """They read and serve DHT records only. Before hivemind's ``hivemind.utils`` and ``hivemind.dht``
     package ``__init__``\\ s were left out, a bootstrap peer imported torch: ready in 2.5 s instead of 0.7 s,
@@ -69,7 +63,7 @@ def test_peers_without_blocks_import_neither_torch_nor_numpy(monkeypatch):
         assert "No model is announced" in health.stdout, health.stderr[-2000:]
         logs = {"dht": dht.log_lines, "monitor": monitor.log_lines, "health": health.stderr.splitlines()}
     for name, lines in logs.items():
-        modules = imported(lines)
+        modules = imported_modules(lines)
         assert "hivemind.dht.protocol" in modules, name  # the log holds its imports
         # a package imported by importlib.import_module is not logged itself, but its submodules are
         assert not [

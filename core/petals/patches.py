@@ -788,14 +788,14 @@ def gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
+    readers: dict[str, Any] = {}
 
     def parsed_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
         if mode != "r":  # a writable map is not ours to share
             return reader_class(path, mode)
+        key = os.path.realpath(path)
         if key not in readers:
-            readers[key] = reader_class(path, mode)
+            readers[key] = reader_class(path)
         return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = parsed_once, functools.cache(name_map)
