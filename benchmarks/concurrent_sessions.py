@@ -40,9 +40,17 @@ ADMISSION_BUDGET, ADMISSION_MAX_LENGTH, ADMISSION_TOKENS = 4096, 2048, 512
 
 
 class SessionClients:
-    """The client processes, ready to generate on ``go``."""
+    """The client processes, ready to generate on ``go``; ``device`` holds each one's local parts."""
 
-    def __init__(self, model_path: Path, initial_peers: list[str], new_tokens: int, count: int) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        initial_peers: list[str],
+        new_tokens: int,
+        count: int,
+        stagger: float = STAGGER,
+        device: str = "cpu",
+    ) -> None:
         peers = json.dumps(initial_peers)
         self.processes = [
             subprocess.Popen(
@@ -54,8 +62,9 @@ class SessionClients:
                     peers,
                     str(8 + 7 * index),  # prompts of 8 to 57 tokens
                     str(new_tokens),
-                    str(STAGGER * index),
+                    str(stagger * index),
                     str(index),
+                    device,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

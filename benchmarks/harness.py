@@ -196,6 +196,7 @@ class Context:
         self._local: dict[str, torch.nn.Module] = {}
         self._swarm: tuple[tuple[str, int, int | None], Swarm, contextlib.ExitStack] | None = None
         self.shared: dict[str, Any] = {}  # measurements later benchmarks of the run reuse (transport floor)
+        self.server_args = SERVER_ARGS  # every server's options beyond running_swarm's (float32)
 
     def pick(self, full: Any, quick: Any) -> Any:
         return quick if self.quick else full
@@ -245,7 +246,7 @@ class Context:
         ranges = block_ranges(self.num_blocks(name), servers)
         stack = contextlib.ExitStack()
         dht, processes = stack.enter_context(
-            running_swarm(path, *ranges, server_args=SERVER_ARGS, env=server_env(threads))
+            running_swarm(path, *ranges, server_args=self.server_args, env=server_env(threads))
         )
         swarm = Swarm(path, dht.initial_peers, processes)
         stack.callback(swarm.close_clients)
