@@ -8,7 +8,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test coverage lint demo tune-demo bench reliability image-test clean
+.PHONY: install test coverage lint demo tune-demo bench reliability gpu-check image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench: $(INSTALLED)
 # attacks and faults against a real local swarm (seeded, bounded): python -m benchmarks.reliability
 reliability: $(INSTALLED)
 	$(BIN)/python -m benchmarks.reliability
+
+# the GPU check (benchmarks/gpu.py): servers proven on CUDA and a 1B-shaped Llama measured, <= 8 min on one
+# GPU. It needs a CUDA build of torch, which $(VENV) never gets: GPU_PYTHON is a Python that has one and
+# this repository's packages (python -m benchmarks.gpu_device prepares wheels for a bare GPU machine)
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu
 
 # the container images in deploy/ built (podman, on a Debian base from debootstrap, both installed from
 # Debian's packages when missing) and run in a local swarm: minutes, so not part of `make test`
