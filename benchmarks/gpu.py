@@ -31,7 +31,6 @@ sections that no longer fit the time budget are skipped, so a run cut short keep
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import dataclasses
@@ -41,6 +40,7 @@ import importlib.util
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -458,9 +458,13 @@ def correctness_swarm(
             for name, (prefix, path, args) in launches.items()
         }
         servers: dict[str, Any] = {}
+        since = time.monotonic()
         for name, server in started.items():
+            # a server whose setting may hang (tensor parallelism, last) waits for as long as the others
+            # took, plus a minute, not the whole timeout
+            timeout = 300 if not name.startswith("tp-") else time.monotonic() - since + 60
             try:
-                server.wait_for_log(READY_MESSAGE, timeout=300)
+                server.wait_for_log(READY_MESSAGE, timeout=timeout)
                 servers[name] = server
             except SwarmProcessError as error:
                 servers[name] = " | ".join(str(error).strip().splitlines()[-3:])[-1000:]
@@ -1152,8 +1156,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # the time guard: past the budget (and a minute's grace for the section running), interrupt it
-    guard = threading.Timer(args.budget + 60, _thread.interrupt_main)
+    # the time guard: past the budget (and a minute's grace for the section running), interrupt it with a
+    # SIGINT to the main thread itself, which also ends a blocking read there (KeyboardInterrupt)
+    guard = threading.Timer(
+        args.budget + 60, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+    )
     guard.daemon = True
     guard.start()
     with tempfile.TemporaryDirectory(prefix="petals-gpu-", dir=args.workdir) as workdir:

@@ -60,9 +60,10 @@ PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", 
 PLATFORM += [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
 PLATFORM += ["--platform=manylinux2014_x86_64", "--platform=manylinux1_x86_64"]
 COMMAND = (
-    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site "
-    ".whl/*.whl && export PYTHONPATH=$PWD/.gpu-site PYTHONUNBUFFERED=1 && set -o pipefail && "
-    "timeout 560 python3 -m benchmarks.gpu --json $OUT/gpu.json --budget 430 2>&1 | tee $OUT/log"
+    "[ -f .gpu-site/.ready ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
+    "--upgrade --target .gpu-site .whl/*.whl && touch .gpu-site/.ready; } && "
+    "export PYTHONPATH=$PWD/.gpu-site PYTHONUNBUFFERED=1 && set -o pipefail && nvidia-smi -L && "
+    "timeout 540 python3 -m benchmarks.gpu --json $OUT/gpu.json --budget 430 2>&1 | tee $OUT/log"
 )
 
 
