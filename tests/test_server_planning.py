@@ -206,6 +206,7 @@ def test_resolving_plans_the_blocks_that_fit_when_none_are_asked_for(tiny_model_
         ({"num_blocks": 5}, "num_blocks", "5 blocks asked, but the model has 4"),
         ({"block_indices": range(2, 6)}, "block_indices", "blocks 2:6 asked, but the model has 4"),
         ({"tensor_parallel_devices": ("gpu0",)}, "tensor_parallel_devices", "Invalid device string"),
+        ({"tensor_parallel_devices": ("cuda", "cuda:0")}, "tensor_parallel_devices", "cuda:0 is named twice"),
         ({"device": "gpu0"}, "device", "Invalid device string"),
     ],
 )

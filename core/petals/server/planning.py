@@ -45,6 +45,7 @@ def resolve_settings(settings: ServerSettings) -> ServerSettings:
     tensor_parallel_devices = tuple(
         parse_device(device, "tensor_parallel_devices") for device in settings.tensor_parallel_devices
     )
+    check_shards_apart(tensor_parallel_devices)
     device = choose_device(settings.device, tensor_parallel_devices, torch.cuda.is_available())
     quant_type = choose_quant_type(settings.quant_type, device, tensor_parallel_devices)
     check_packages(quant_type, tensor_parallel_devices, settings.adapters)
@@ -68,6 +69,25 @@ def parse_device(device: torch.device | str, setting: str = "device") -> torch.d
         return torch.device(device)
     except RuntimeError as error:
         raise SettingError(setting, str(error)) from error
+
+
+def check_shards_apart(tensor_parallel_devices: Sequence[torch.device]) -> None:
+    """Refuse a GPU named twice: the ``tensor_parallel`` library all-reduces CUDA shards with NCCL, which takes
+    one tensor per GPU (``torch.cuda.nccl.is_available`` is False for two on one device), so such a server
+    started, announced itself and failed every request with an AssertionError (seen on an H200 by
+    ``benchmarks.gpu``). CPU shards may repeat: their all-reduce is plain torch."""
+    named: set[torch.device] = set()
+    for device in tensor_parallel_devices:
+        if device.type != "cuda":
+            continue
+        gpu = torch.device("cuda", device.index or 0)
+        if gpu in named:
+            raise SettingError(
+                "tensor_parallel_devices",
+                f"{gpu} is named twice, but shards on one GPU cannot all-reduce (tensor_parallel does it "
+                "with NCCL, one shard per GPU): name distinct GPUs, or serve without --tensor_parallel_devices",
+            )
+        named.add(gpu)
 
 
 def choose_device(
