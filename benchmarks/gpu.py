@@ -469,7 +469,11 @@ def correctness_swarm(
             except SwarmProcessError as error:
                 servers[name] = " | ".join(str(error).strip().splitlines()[-3:])[-1000:]
         log(f"{len(started)} servers started, {sum(not isinstance(s, str) for s in servers.values())} ready")
-        yield dht.initial_peers, servers
+        try:
+            yield dht.initial_peers, servers
+        finally:  # all at once (each announces OFFLINE first); the stack then finds them stopped
+            with ThreadPoolExecutor(len(started)) as pool:
+                list(pool.map(lambda server: server.stop(), started.values()))
 
 
 def correctness(check: GpuCheck) -> dict[str, Any]:
@@ -529,6 +533,7 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
                         record = {"passed": False, "error": _one_line(error)}
                     results["families"][f"{family} {dtype_name}"] = record
                     log(f"{family} {dtype_name}: {_brief(record)}")
+                    check.progress("correctness", results)
             for quant in check.quant_types:
                 try:
                     record = quantized(check, wide, clients, servers[f"wide-{quant}"], quant, quant_dtype)
@@ -537,6 +542,7 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
                     record = {"passed": False, "error": _one_line(error)}
                 results["quantization"][quant] = record
                 log(f"{quant}: {_brief(record)}")
+                check.progress("correctness", results)
             if "tp-llama" in launches:
                 try:
                     record = tensor_parallel(
@@ -612,6 +618,9 @@ def tensor_parallel(check, path, clients, server, dtype_name, one_shard) -> dict
     if one_shard is None:
         return {"passed": False, "error": "no one-shard outputs to compare with"}
     dtype = getattr(torch, dtype_name)
+    failure = first_step_failure(clients.peers, server.peer_id, path, "tp-llama", dtype)
+    if failure is not None:  # the client would ban it and wait for minutes: report the server's error
+        return {"refused": f"started, but its first inference step failed: {failure}"}
     local = OnDevice(local_model(path, dtype, check.device), check.device)
     remote = clients.get(path, "tp-llama", dtype)
     ids = one_shard["want"][:, : check.sizes.family_prompt].cpu()
@@ -625,6 +634,32 @@ def tensor_parallel(check, path, clients, server, dtype_name, one_shard) -> dict
         "tolerance": tolerance,
         "passed": error <= tolerance and judge(outputs, ids.shape[1], tolerance)["passed"],
     }
+
+
+def first_step_failure(
+    peers: list[str], peer: str, path: Path, prefix: str, dtype: torch.dtype
+) -> str | None:
+    """The first line of the error of a 4-token inference step sent straight to ``peer``, if it fails."""
+    from hivemind.p2p import P2PHandlerError
+
+    from petals import AutoDistributedConfig
+    from petals.data_structures import make_uids
+    from petals.testing.wire_client import WireClient
+
+    config = AutoDistributedConfig.from_pretrained(path)
+    wire = WireClient(peers)
+    try:
+        stream = wire.inference(peer, make_uids(prefix, 0, config.num_hidden_layers), max_length=8)
+        try:
+            stream.step(torch.randn(1, 4, config.hidden_size, dtype=dtype))
+        finally:
+            with contextlib.suppress(Exception):
+                stream.close()
+    except P2PHandlerError as error:
+        return str(error).strip().splitlines()[0][-300:]
+    finally:
+        wire.close()
+    return None
 
 
 # ---- measurements on the 1B-shaped model ---------------------------------------------------------
@@ -945,6 +980,11 @@ class GpuCheck:
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
         self.json_path.write_text(json.dumps(self.record, indent=2, default=str) + "\n")
 
+    def progress(self, name: str, partial: dict[str, Any]) -> None:
+        """A section's results so far, written now, in case the run is cut short inside it."""
+        self.record["sections"][name] = {**partial, "unfinished": True}
+        self.write()
+
     def run(self, name: str, section: Callable[[GpuCheck], dict[str, Any]]) -> None:
         left = self.deadline - time.monotonic()
         need = NEEDS[name] / (4 if self.tiny else 1)
@@ -1156,10 +1196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # the time guard: past the budget (and a minute's grace for the section running), interrupt it with a
+    # the time guard: past the budget (and 30 s of grace for the section running), interrupt it with a
     # SIGINT to the main thread itself, which also ends a blocking read there (KeyboardInterrupt)
     guard = threading.Timer(
-        args.budget + 60, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+        args.budget + 30, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
     )
     guard.daemon = True
     guard.start()

@@ -30,6 +30,7 @@ PINNED = [
     "huggingface-hub==2.4.0",
     "httpx2==2.16.2",
     "httpcore2==2.16.2",
+    "truststore==0.10.5",
     "click==8.5.1",
     "pluggy==1.7.0",
     "msgpack==1.2.4",
@@ -41,6 +42,8 @@ PINNED = [
     "pycparser==3.12",
     "py-cid==0.5.0",
     "py-multihash==3.0.0",
+    "blake3==1.0.11",
+    "mmh3==5.3.1",
     "py-multibase==2.0.0",
     "py-multicodec==1.0.0",
     "morphys==1.0",
@@ -57,13 +60,13 @@ BITSANDBYTES = "bitsandbytes==0.50.2"
 KEEP_LIBRARIES = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")
 OWN = ["core", "petals_llama", "petals_bloom", "petals_falcon", "petals_mixtral", "plugins/petals_qwen2"]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]
-PLATFORM += [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
+PLATFORM += [f"--platform=manylinux_2_{n}_x86_64" for n in (5, 17, 24, 27, 28, 31, 34, 35)]
 PLATFORM += ["--platform=manylinux2014_x86_64", "--platform=manylinux1_x86_64"]
 COMMAND = (
     "[ -f .gpu-site/.ready ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
     "--upgrade --target .gpu-site .whl/*.whl && touch .gpu-site/.ready; } && "
     "export PYTHONPATH=$PWD/.gpu-site PYTHONUNBUFFERED=1 && set -o pipefail && nvidia-smi -L && "
-    "timeout 540 python3 -m benchmarks.gpu --json $OUT/gpu.json --budget 430 2>&1 | tee $OUT/log"
+    "timeout 500 python3 -m benchmarks.gpu --json $OUT/gpu.json --budget 400 2>&1 | tee $OUT/log"
 )
 
 
