@@ -158,23 +158,6 @@ def fixtures(tiny_model_with_tokenizer, busy_port, closed_peer, empty_swarm, tmp
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_model_with_tokenizer(tiny_model_path, tmp_path_factory):
-    """The tiny llama with a tokenizer (a word-level one built offline), so `petals generate` can start."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    target = tmp_path_factory.mktemp("with-tokenizer") / "tiny-llama"
-    shutil.copytree(tiny_model_path("llama"), target)
-    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 1000)}, "hi": 999}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(target)
-    return target
-
-
 @pytest.mark.parametrize(
     ("case", "args", "exit_code", "message", "without"), CASES, ids=[case[0] for case in CASES]
 )

@@ -83,6 +83,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("IdentityInUseError", str),
     KnownFailure("SwarmUnreachableError", str),
     KnownFailure("MissingBlocksError", str),
+    KnownFailure("ServerFailure", str),  # every server of some blocks fails with the same [internal] error
     KnownFailure("MembershipError", str),
     KnownFailure("ModuleNotFoundError", _missing_package),
     KnownFailure("ImportError", str),  # ours say which extra to install
