@@ -90,6 +90,8 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("PluginError", str),
     KnownFailure("UntestedVersionError", str),  # says which version to install
     KnownFailure("CheckpointError", str),
+    KnownFailure("ModelNotFoundError", str),  # petals.cli.model_files
+    KnownFailure("MissingTokenizerError", str),
     KnownFailure("PromptsFileError", str),
     KnownFailure("AdapterError", str),
     KnownFailure("DiskSpaceError", str),
