@@ -3,13 +3,57 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 import petals
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def make(*args: str, **variables: str | Path) -> subprocess.CompletedProcess:
+    """``make ARGS NAME=VALUE...`` in the repository."""
+    assignments = [f"{name}={value}" for name, value in variables.items()]
+    return subprocess.run(
+        ["make", "--no-print-directory", *args, *assignments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_demo_installs_with_python_and_the_package_registries_alone(tmp_path):
+    """``make demo`` on a fresh machine (a virtual environment not there yet) runs pip and the demo: no
+    apt-get, no sudo, nothing that needs root; ``make test`` adds the tools its page and unit tests use."""
+    demo = make("-n", "demo", VENV=tmp_path / "venv").stdout
+    assert "pip install" in demo and demo.rstrip().endswith("petals demo"), demo
+    for word in ("apt-get", "sudo", "chromium", "systemd", "test-tools"):
+        assert word not in demo, demo
+    assert "apt-get install" in make("-n", "test", VENV=tmp_path / "venv").stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to an unprivileged uid needs root")
+def test_make_test_without_root_says_which_tools_it_leaves_out():
+    """As an unprivileged user (uid 65534), ``make test``'s tool step installs nothing, says so in one
+    line with the command, and lets the tests run (their Chromium and systemd tests then skip)."""
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        + ["make", "--no-print-directory", "test-tools", "CHROMIUM=no-such-chromium"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines() == [
+        "Not installing chromium (needs root and apt-get): the tests that use them skip; "
+        "to run them: sudo apt-get install chromium"
+    ]
 
 
 def p2pd_arguments(model) -> list[str]:
