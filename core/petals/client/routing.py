@@ -45,7 +45,7 @@ from petals.client.measurements import ServerMeasurements
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
-from petals.membership import MembershipError, SwarmMembership
+from petals.membership import PRIVATE_SWARM_HINT, MembershipError, SwarmMembership
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
 from petals.policies.routing import ROUTINGS, RouteCandidates
@@ -405,6 +405,8 @@ class RemoteSequenceManager:
                 f"Start a server with `--adapters {adapter}` for blocks {_ranges(missing)}, "
                 "or choose another active_adapter."
             )
+        if not hosting and self.network.membership is None and self.network.private_swarm.seen:
+            raise MissingBlocksError(f"no server for block {self.block_uids[first]}: {PRIVATE_SWARM_HINT}")
         if not hosting:
             reason = "no ONLINE server announces it in the DHT"
         elif cache_tokens_needed is not None and not any(
