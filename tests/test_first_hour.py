@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,40 @@ def test_petals_testing_exports_the_loopback_options():
 
     assert exported is LOOPBACK_CLIENT
     assert "LOOPBACK_CLIENT" in petals.testing.__doc__
+
+
+def test_petals_simulate_prints_its_table_without_json(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petals.cli",
+            "simulate",
+            "--servers",
+            "12",
+            "--blocks",
+            "6",
+            "--hours",
+            "0.25",
+        ]
+        + ["--clients", "3", "--policy", "ours"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "latency" in result.stdout and list(tmp_path.iterdir()) == [], result.stdout
+
+
+def test_the_install_section_lists_every_extra_the_errors_name():
+    """Each extra an error message tells a user to install is in the README's Install section."""
+    import re
+
+    install = (ROOT / "README.md").read_text().partition("\n## Install\n")[2].partition("\n## ")[0]
+    named = set()
+    for path in (ROOT / "core/petals").rglob("*.py"):
+        named.update(re.findall(r"petals-core\[([a-z-]+)\]", path.read_text()))
+    assert {"simulate", "api", "monitor", "quantization"} <= named
+    missing = sorted(extra for extra in named if f"./core[{extra}]" not in install)
+    assert missing == [], missing
