@@ -44,9 +44,12 @@ def not_found(name: str, error: BaseException, what: str = "model") -> ModelNotF
     text = str(error)
     if not any(part in text for part in _NOT_FOUND_TEXTS) or Path(name).expanduser().is_dir():
         return None
-    where = "the Hugging Face cache (HF_HUB_OFFLINE is set)" if _offline() else "the Hugging Face hub"
-    if "couldn't connect to" in text and not _offline():
+    if _offline():
+        where = "the Hugging Face cache (HF_HUB_OFFLINE is set)"
+    elif "couldn't connect to" in text:
         where = "the Hugging Face cache, and the hub cannot be reached from here"
+    else:
+        where = "the Hugging Face hub"
     return ModelNotFoundError(
         f"{what} {name}: neither a local directory nor a model in {where}; give the path of a model's folder "
         "(config.json, weights and tokenizer files, as save_pretrained writes them) or a repo id that exists"

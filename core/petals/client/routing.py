@@ -287,8 +287,7 @@ class RemoteSequenceManager:
         its blocks failed so (the only one: twice). Returns whether to ban ``peer``: not the only server
         of its blocks after its first such error, which is retried there at once (it may have passed)."""
         now = time.monotonic()
-        last = self.internal_errors.get(peer)
-        times = last.times + 1 if last is not None and last.text == text else 1
+        times = self.internal_errors[peer].times + 1 if self._failed_with(peer, text, now) else 1
         self.internal_errors[peer] = _InternalError(text, times, now)
         span = self.spans.get(peer) or self.online_spans.get(peer)
         if span is None:
