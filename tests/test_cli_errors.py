@@ -146,8 +146,8 @@ CASES = [
             f"{command}: a folder without tokenizer",
             lambda f, command=command: client_args(command, f["model_without_tokenizer"], f),
             1,
-            "{model_without_tokenizer} has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
-            "tokenizer.model, vocab.json, vocab.txt): pass --tokenizer PATH_OR_ID",
+            "{model_without_tokenizer} has no tokenizer (no tokenizer.json, tokenizer_config.json or other "
+            "tokenizer files): pass --tokenizer PATH_OR_ID",
             None,
         )
         for command in CLIENT_COMMANDS

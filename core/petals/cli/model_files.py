@@ -15,8 +15,8 @@ from pathlib import Path
 
 # what transformers says when it cannot find a name locally, nor on the hub (or in its cache, offline)
 _NOT_FOUND_TEXTS = ("couldn't connect to", "is not a local folder and is not a valid model identifier")
-# files that hold a tokenizer (transformers' fast, sentencepiece, BPE and WordPiece layouts)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# how the files holding a tokenizer are named (transformers' fast, sentencepiece, BPE, WordPiece, Tekken)
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "spiece", "tekken")
 
 
 class ModelNotFoundError(OSError):
@@ -74,7 +74,9 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
 
     source = tokenizer or model
     folder = Path(source).expanduser()
-    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if folder.is_dir() and not any(
+        file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
+    ):
         raise missing_tokenizer(source, tokenizer)
     with finding(source, "tokenizer" if tokenizer else "model"):
         try:
@@ -86,11 +88,12 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
 def missing_tokenizer(source: str, tokenizer: str | None) -> MissingTokenizerError:
     if tokenizer is not None:
         return MissingTokenizerError(
-            f"--tokenizer {tokenizer}: no tokenizer there that transformers can load "
-            f"(none of {', '.join(TOKENIZER_FILES)}); give the folder or repo id of this model's tokenizer"
+            f"--tokenizer {tokenizer}: no tokenizer there that transformers can load; give the folder or "
+            "repo id of this model's tokenizer"
         )
     return MissingTokenizerError(
-        f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass --tokenizer PATH_OR_ID "
+        f"{source} has no tokenizer (no tokenizer.json, tokenizer_config.json or other tokenizer files): "
+        "pass --tokenizer PATH_OR_ID "
         "(a folder or repo id holding this model's tokenizer, e.g. the repo it was trained from), or save "
         "one into the folder (tokenizer.save_pretrained); from Python, give model.generate token ids and "
         "decode its output yourself"
