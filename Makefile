@@ -32,9 +32,11 @@ TEST_TOOLS := $(CHROMIUM):chromium systemd-analyze:systemd
 test-tools:
 	@missing=""; for tool in $(TEST_TOOLS); do command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool##*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
+	skip="the tests that use them skip; to run them: sudo apt-get install$$missing"; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
-	else echo "Not installing$$missing (needs root and apt-get): the tests that use them skip; to run them: sudo apt-get install$$missing"; fi
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; } \
+		|| echo "Could not install$$missing: $$skip"; \
+	else echo "Not installing$$missing (needs root and apt-get): $$skip"; fi
 
 demo: $(INSTALLED)
 	$(BIN)/petals demo
