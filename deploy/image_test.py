@@ -56,6 +56,7 @@ CPU_TORCH = "torch==2.13.0"
 BUILD_TOOLS = ("gcc", "cc", "c++", "make", "ld", "pip", "pip3")
 STOP_SECONDS = 5
 SPLIT = "15"  # the host serves blocks 0:15 of the demo model's 30, the image 15:30
+IMAGE_BLOCKS = f"{SPLIT}:30"
 DEMO_MAX_NEW_TOKENS = 48  # petals demo's default
 
 
@@ -408,8 +409,17 @@ def image_user(root: Path, user: str) -> int:
 
 def check_image(image: Image, probe: str) -> None:
     """What the README promises of an image: its configuration, its file system, its default command."""
-    config = image.config
     say(f"\nChecking {image.tag} ({image.size / 1e9:.2f} GB{', ' + image.note if image.note else ''})")
+    check_config(image.config)
+    with mounted(image) as root:
+        check_file_system(image.config, root)
+        usage = run_in_image(image, root)
+        check("Usage: petals serve" in usage, "its default command runs (petals serve --help, exit 0)")
+        say(f"  {run_in_image(image, root, 'python3', '-c', probe).strip()}")
+
+
+def check_config(config: dict) -> None:
+    """An image's configuration (``podman image inspect``'s Config): command, volume, environment, stop signal."""
     environment = dict(item.split("=", 1) for item in config.get("Env") or [])
     default_command = config.get("Cmd") == ["petals", "serve", "--help"] and not config.get("Entrypoint")
     check(default_command, "default command: petals serve --help")
@@ -419,24 +429,25 @@ def check_image(image: Image, probe: str) -> None:
     )
     check(in_volume, "PETALS_CACHE=/cache, HF_HOME inside it")
     check(config.get("StopSignal") == "SIGTERM", "stop signal SIGTERM")
-    with mounted(image) as root:
-        uid = image_user(root, config.get("User") or "root")
-        check(uid != 0, f"runs as user {config.get('User')} (uid {uid}), not root")
-        path = environment.get("PATH", "").split(":")
-        found = [
-            f"{folder}/{tool}"
-            for tool in BUILD_TOOLS
-            for folder in path
-            if (root / folder.lstrip("/") / tool).exists()
-        ]
-        check(
-            not found,
-            f"no build tools on its PATH ({', '.join(BUILD_TOOLS)}){': found ' + ', '.join(found) if found else ''}",
-        )
-        check(not (root / "src").exists(), "no sources (the build stage's /src stays behind)")
-        usage = run_in_image(image, root)
-        check("Usage: petals serve" in usage, "its default command runs (petals serve --help, exit 0)")
-        say(f"  {run_in_image(image, root, 'python3', '-c', probe).strip()}")
+
+
+def check_file_system(config: dict, root: Path) -> None:
+    """An image's root file system at ``root``: its user is not root, no build tools, no sources."""
+    environment = dict(item.split("=", 1) for item in config.get("Env") or [])
+    uid = image_user(root, config.get("User") or "root")
+    check(uid != 0, f"runs as user {config.get('User')} (uid {uid}), not root")
+    path = environment.get("PATH", "").split(":")
+    found = [
+        f"{folder}/{tool}"
+        for tool in BUILD_TOOLS
+        for folder in path
+        if (root / folder.lstrip("/") / tool).exists()
+    ]
+    check(
+        not found,
+        f"no build tools on its PATH ({', '.join(BUILD_TOOLS)}){': found ' + ', '.join(found) if found else ''}",
+    )
+    check(not (root / "src").exists(), "no sources (the build stage's /src stays behind)")
 
 
 def check_swarm(image: Image) -> None:
@@ -464,7 +475,7 @@ def check_swarm(image: Image) -> None:
             host.wait_for_log(READY_MESSAGE, timeout=300)
             say(f"  both servers ONLINE: host ...{host.peer_id[-8:]}, image ...{served.peer_id[-8:]}")
             check_generation(model, dht.initial_peers, {host.peer_id, served.peer_id})
-            check_stop(image, served, model, dht.initial_peers)
+            check_stop(image.config["StopSignal"], served, model, dht.initial_peers, IMAGE_BLOCKS)
     except SwarmProcessError as error:
         raise ImageTestError(str(error)) from None
 
@@ -474,20 +485,12 @@ def start_image_server(
 ) -> ServerProcess:
     """``docker run -v VOLUME:/cache -e PETALS_...=... IMAGE petals serve /cache/MODEL --loopback``
     with the model bound inside the volume; checks the user, the settings and the volume."""
-    import psutil
-
-    from petals.local_swarm import PEER_ID_PATTERN, ServerProcess
-    from petals.server.server import READY_MESSAGE
-    from petals.server.throughput import CACHE_FILE
+    from petals.local_swarm import ServerProcess
 
     uid = image_user(root, image.config["User"])
     os.chown(volume, uid, uid)  # as docker fills a new named volume from the image's /cache
     (volume / model.name).mkdir()  # the model's mount point inside the volume
-    settings = {
-        "PETALS_INITIAL_PEERS": " ".join(initial_peers),
-        "PETALS_BLOCK_INDICES": f"{SPLIT}:30",
-        "PETALS_TORCH_DTYPE": "float32",
-    }
+    settings = server_settings(initial_peers, IMAGE_BLOCKS)
     in_volume = f"/cache/{model.name}"
     arguments = in_image(
         image,
@@ -503,12 +506,33 @@ def start_image_server(
     served = ServerProcess(
         f"petals serve from {image.tag}", ["chroot_run", *arguments], env={"PYTHONPATH": str(DEPLOY)}
     )
+    return checked_server(served, uid, volume, IMAGE_BLOCKS)
+
+
+def server_settings(initial_peers: list[str], blocks: str) -> dict[str, str]:
+    """What the image's server is configured with: ``PETALS_*`` variables only, as ``docker run -e``."""
+    return {
+        "PETALS_INITIAL_PEERS": " ".join(initial_peers),
+        "PETALS_BLOCK_INDICES": blocks,
+        "PETALS_TORCH_DTYPE": "float32",
+    }
+
+
+def checked_server(served: ServerProcess, uid: int, volume: Path, blocks: str) -> ServerProcess:
+    """``served`` once ONLINE, checked: it runs as ``uid``, serves ``blocks`` in float32 as its
+    ``server_settings`` said, and keeps its throughput measurement in ``volume`` (its /cache)."""
+    import psutil
+
+    from petals.server.server import READY_MESSAGE
+    from petals.server.throughput import CACHE_FILE
+
     try:
-        served.peer_id = PEER_ID_PATTERN.search(served.wait_for_log("Joined the swarm", timeout=300)).group(1)
+        served.timeout = 300  # ``peer_id`` waits this long for the line saying it joined (a cold start)
+        served.wait_for_log("Joined the swarm", timeout=served.timeout)
         ready = served.wait_for_log(READY_MESSAGE, timeout=300)
         check(psutil.Process(served.pid).uids().real == uid, f"the image's server runs as uid {uid}")
         check(
-            f"blocks {SPLIT}:30, float32" in ready,
+            f"blocks {blocks}, float32" in ready,
             "it serves the blocks and dtype that PETALS_BLOCK_INDICES and PETALS_TORCH_DTYPE set",
         )
         cache_file = volume / CACHE_FILE
@@ -522,8 +546,9 @@ def start_image_server(
     return served
 
 
-def check_generation(model: Path, initial_peers: list[str], servers: set[str]) -> None:
-    """The demo's question, greedy, through the swarm: token for token the model's answer in one process."""
+def check_generation(model: Path, initial_peers: list[str], servers: set[str], chat: bool = True) -> None:
+    """The demo's question, greedy, through the swarm: token for token the model's answer in one process
+    (``chat``: in the model's chat template, as the demo asks it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -533,7 +558,7 @@ def check_generation(model: Path, initial_peers: list[str], servers: set[str]) -
     from petals.network.client import LOOPBACK_CLIENT
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    inputs = encode(tokenizer, QUESTION, chat=True)
+    inputs = encode(tokenizer, QUESTION, chat=chat)
     local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     expected = local.generate(**inputs, max_new_tokens=DEMO_MAX_NEW_TOKENS, do_sample=False)
     remote = AutoDistributedModelForCausalLM.from_pretrained(
@@ -553,7 +578,9 @@ def check_generation(model: Path, initial_peers: list[str], servers: set[str]) -
     )
 
 
-def check_stop(image: Image, served: ServerProcess, model: Path, initial_peers: list[str]) -> None:
+def check_stop(
+    stop_signal_name: str, served: ServerProcess, model: Path, initial_peers: list[str], blocks: str
+) -> None:
     """The image's stop signal (what ``docker stop`` sends): OFFLINE announced, exit 0 within 5 s."""
     import psutil
 
@@ -561,7 +588,8 @@ def check_stop(image: Image, served: ServerProcess, model: Path, initial_peers: 
     from petals.data_structures import ServerState
     from petals.testing.wire_client import WireClient
 
-    stop_signal = signal.Signals[image.config["StopSignal"]]
+    stop_signal = signal.Signals[stop_signal_name]
+    peer_id = served.peer_id  # while it runs: read from its log
     daemons = psutil.Process(served.pid).children()
     sent = time.monotonic()
     served.process.send_signal(stop_signal)
@@ -574,11 +602,11 @@ def check_stop(image: Image, served: ServerProcess, model: Path, initial_peers: 
     seconds = time.monotonic() - sent
     served.stop()  # joins its log readers
     check(code == 0, f"{stop_signal.name} (the image's STOPSIGNAL): exit code {code} after {seconds:.2f} s")
-    check(f"Announced OFFLINE for blocks {SPLIT}:30" in served.log, "it announced OFFLINE before leaving")
+    check(f"Announced OFFLINE for blocks {blocks}" in served.log, "it announced OFFLINE before leaving")
     client = WireClient(initial_peers)
     try:
         prefix = AutoDistributedConfig.from_pretrained(model).dht_prefix
-        record = client.dht_get(f"{prefix}.{SPLIT}").value[served.peer_id].value
+        record = client.dht_get(f"{prefix}.{blocks.partition(':')[0]}").value[peer_id].value
     finally:
         client.close()
     check(ServerState(record[0]) == ServerState.OFFLINE, "the DHT lists it as OFFLINE")

@@ -4,6 +4,7 @@ plugins that serve a family alone; and the record of which hooks the suite calle
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -170,6 +171,21 @@ def tiny_model_path(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_model_with_tokenizer(tiny_model_path, tmp_path_factory):
+    """The tiny llama with a tokenizer (a word-level one built offline), so `petals generate` can start."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = tmp_path_factory.mktemp("with-tokenizer") / "tiny-llama"
+    shutil.copytree(tiny_model_path("llama"), target)
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 1000)}, "hi": 999}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(target)
+    return target
+
+
 def install_in_hf_cache(source: Path, repo_id: str, cache_dir: Path, revision: str = "0" * 40) -> Path:
     """Lay out ``source``'s files as the Hugging Face hub cache does for ``repo_id`` (no network)."""
     repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
@@ -256,7 +272,10 @@ CHROMIUM_ARGS = (
 
 
 def launch_chromium(playwright):
-    """A headless Chromium (``playwright.chromium.launch``) that resolves no host name."""
+    """A headless Chromium (``playwright.chromium.launch``) that resolves no host name; the test skips
+    where Chromium is not installed (``make test`` installs it when run as root)."""
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is not installed: sudo apt-get install chromium (or make test as root)")
     return playwright.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
 
 

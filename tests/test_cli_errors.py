@@ -1,4 +1,4 @@
-"""Known failures of `petals serve / dht / generate` end in one `Error:` line (real processes).
+"""Known failures of `petals serve / dht / generate / chat / api / tune` end in one `Error:` line (real processes).
 
 Each case runs the real command line in its own process and checks the exit code (2: usage,
 1: otherwise), that the last line says what to do, and that no traceback is printed unless the
@@ -62,6 +62,18 @@ def empty_swarm():
 
 def serve_args(model: str, *args: str) -> list[str]:
     return ["serve", model, "--loopback", "--new_swarm", "--torch_dtype", "float32", *args]
+
+
+CLIENT_COMMANDS = ("generate", "chat", "api", "tune")
+# a relative name that is no folder here: a repo id to transformers, which the tests' offline hub lacks
+MISSING_MODEL = "no-such-org/no-such-model"
+
+
+def client_args(command: str, model: str, f: dict, swarm: str | None = None) -> list[str]:
+    """``petals COMMAND MODEL`` joining ``swarm`` (else a peer that is not running) on 127.0.0.1."""
+    args = [command, model, "--initial_peers", swarm or f["closed_peer"], "--loopback"]
+    extra = {"generate": ["hi"], "api": ["--port", "0"], "tune": ["--data", f["rows"], "--out", f["out"]]}
+    return args + extra.get(command, [])
 
 
 # (case, command line given the fixtures, exit code, what the one line says, package to hide)
@@ -129,6 +141,50 @@ CASES = [
         "no such directory",
         None,
     ),
+    *(
+        (
+            f"{command}: a folder without tokenizer",
+            lambda f, command=command: client_args(command, f["model_without_tokenizer"], f),
+            1,
+            "{model_without_tokenizer} has no tokenizer (no tokenizer.json, tokenizer_config.json or other "
+            "tokenizer files): pass --tokenizer PATH_OR_ID",
+            None,
+        )
+        for command in CLIENT_COMMANDS
+    ),
+    (
+        "generate: --tokenizer from another folder",  # gets as far as the swarm, which has no server
+        lambda f: [
+            *client_args("generate", f["model_without_tokenizer"], f, swarm=f["empty_swarm"]),
+            "--tokenizer",
+            f["model"],
+        ],
+        1,
+        "no server for block",
+        None,
+    ),
+    (
+        "generate: --tokenizer without one",
+        lambda f: [*client_args("generate", f["model"], f), "--tokenizer", f["model_without_tokenizer"]],
+        1,
+        "--tokenizer {model_without_tokenizer}: no tokenizer there",
+        None,
+    ),
+    *(
+        (
+            f"{command}: a name that is neither a folder nor a model",
+            lambda f, command=command: (
+                serve_args(MISSING_MODEL, "--num_blocks", "1")
+                if command == "serve"
+                else client_args(command, MISSING_MODEL, f)
+            ),
+            1,
+            f"model {MISSING_MODEL}: neither a local directory nor a model in the Hugging Face cache "
+            "(HF_HUB_OFFLINE is set); give the path of a model's folder",
+            None,
+        )
+        for command in (*CLIENT_COMMANDS, "serve")
+    ),
     (
         "generate: verify is not a fraction",
         lambda f: ["generate", f["model"], "--initial_peers", f["closed_peer"], "--verify", "5", "hi"],
@@ -147,32 +203,22 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def fixtures(tiny_model_with_tokenizer, busy_port, closed_peer, empty_swarm, tmp_path_factory):
+def fixtures(
+    tiny_model_with_tokenizer, tiny_model_path, busy_port, closed_peer, empty_swarm, tmp_path_factory
+):
     missing = tmp_path_factory.mktemp("nothing") / "no-such-model"
+    rows = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    rows.write_text('{"prompt": "hi", "completion": "w1"}\n')
     return {
         "model": str(tiny_model_with_tokenizer),
+        "model_without_tokenizer": str(tiny_model_path("llama")),
+        "rows": str(rows),
+        "out": str(rows.with_name("prompts.safetensors")),
         "port": busy_port,
         "closed_peer": closed_peer,
         "empty_swarm": empty_swarm,
         "missing_dir": str(missing),
     }
-
-
-@pytest.fixture(scope="module")
-def tiny_model_with_tokenizer(tiny_model_path, tmp_path_factory):
-    """The tiny llama with a tokenizer (a word-level one built offline), so `petals generate` can start."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    target = tmp_path_factory.mktemp("with-tokenizer") / "tiny-llama"
-    shutil.copytree(tiny_model_path("llama"), target)
-    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 1000)}, "hi": 999}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(target)
-    return target
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ def test_demo_answers_paris_and_leaves_nothing_behind(demo_cache):
     answer = next(line for line in result.stdout.splitlines() if line.startswith("A: "))
     assert "Paris" in answer, result.stdout
     assert "blocks 20:30" in result.stdout and "Done." in result.stdout
+    assert "first run only" not in result.stdout  # the model was prepared by the fixture
     leftovers = [
         p.info
         for p in psutil.process_iter(["pid", "cmdline"])

@@ -75,7 +75,7 @@ def verify_unit(root: Path, unit_text: str) -> subprocess.CompletedProcess:
 
 needs_systemd = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None or not Path("/usr/lib/systemd/system").is_dir(),
-    reason="systemd-analyze (Debian's systemd package) is not installed",
+    reason="systemd-analyze is not installed: sudo apt-get install systemd (or make test as root)",
 )
 
 

@@ -5,6 +5,10 @@ period. One private swarm (a ``petals dht`` and a ``petals serve``) is shared by
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +23,7 @@ from transformers import AutoModelForCausalLM
 import petals
 from conftest import LOOPBACK_CLIENT
 from petals.cli import main as petals_cli
+from petals.client.routing import MissingBlocksError
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import declare_active_modules, expiration_from_now, get_remote_module_infos
 from petals.membership import CERTIFICATE_PROTOCOL
@@ -348,3 +353,48 @@ def test_an_open_session_routes_around_a_server_revoked_after_it_chose_it(swarm)
         with torch.no_grad():
             expected = model.remote_blocks(hidden[:, :position])  # a forward, on the server left
         torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-5, rtol=0)
+
+
+def test_an_outsider_is_told_in_one_line_that_the_swarm_is_private(swarm, caplog):
+    """A client without the swarm's options: one WARNING line naming them, no warning per record it cannot
+    read, and a failure that says the same instead of "no server announces it"."""
+    caplog.set_level(logging.DEBUG)
+    outsider = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        swarm.model_path, initial_peers=swarm.initial_peers, max_retries=0, loopback=True
+    )
+    try:
+        with pytest.raises(MissingBlocksError, match="this swarm is private") as caught:
+            outsider(torch.tensor([[1, 2, 3]]))
+    finally:
+        outsider.close()
+    for option in ("--swarm_authority", "--membership", "--identity_path"):
+        assert option in str(caught.value)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    private = [message for message in warnings if "this swarm is private" in message]
+    assert len(private) == 1 and "--swarm_authority" in private[0], warnings
+    assert not any("Ignoring a DHT record" in message for message in warnings), warnings
+
+
+def test_petals_generate_without_the_options_says_which_to_pass(swarm, tiny_model_with_tokenizer):
+    result = subprocess.run(
+        [sys.executable, "-m", "petals.cli", "generate", str(swarm.model_path), "hi", "--loopback"]
+        + ["--tokenizer", str(tiny_model_with_tokenizer), "--initial_peers", swarm.initial_peers[0]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PETALS_MAX_RETRIES": "0"},
+    )
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: no server for block") and "this swarm is private" in last, result.stderr
+    assert "--swarm_authority AUTHORITY.pub --membership CERT --identity_path KEY" in last
+    assert "Ignoring a DHT record" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_server_without_the_options_is_told_too(swarm):
+    with start_server(
+        swarm.model_path, swarm.initial_peers, "--torch_dtype", "float32", wait_ready=False
+    ) as server:
+        line = server.wait_for_log("this swarm is private", timeout=180)
+    assert " WARN " in line and "--swarm_authority" in line
+    assert "Ignoring a DHT record:" not in server.log

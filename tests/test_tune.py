@@ -299,6 +299,8 @@ def test_the_tune_demo_prints_held_out_answers_before_and_after_and_saves_its_pr
     assert output.count("\n  before: ") == 12 and output.count("\n  after:  ") == 12, output
     assert re.search(r"Exact match on held-out rows: \d+/12 before, \d+/12 after", output), output
     assert f"Saved the prompts to {saved}" in output and f"--prompts {saved}" in output
+    # the swarm stops with the demo: the hint names no address of it, but how to keep one running
+    assert "petals demo --keep" in output and not any(peer in output for peer in peers), output
     assert timings["tune (with both evaluations)"] > 0 and "  2 training steps" in timings
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         model_path, initial_peers=peers, prompts=saved, **LOOPBACK_CLIENT

@@ -171,7 +171,7 @@ def make_record_validator():
                 try:
                     check_msgpack(raw)
                 except MsgpackLimitError as error:
-                    logger.warning("Ignoring a DHT record: its %s is refused (%s)", part, error)
+                    logger.debug("Ignoring a DHT record: its %s is refused (%s)", part, error)
                     return False
             return True
 

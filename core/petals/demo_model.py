@@ -110,10 +110,15 @@ def _gguf_source() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def is_prepared(cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether ``prepare_demo_model`` has built the directory already (it then returns at once)."""
+    return (_target(cache_dir) / "config.json").is_file()
+
+
 def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """The demo model as a Hugging Face directory (fp32 safetensors + tokenizer), built on first use."""
     target = _target(cache_dir)
-    if (target / "config.json").is_file():
+    if is_prepared(cache_dir):
         return target
     source = _gguf_source()
     import torch

@@ -26,19 +26,23 @@ from petals.data_structures import (
     ServerState,
     parse_uid,
 )
-from petals.membership import SwarmMembership, tolerating_revoked
+from petals.membership import PrivateSwarmDetector, SwarmMembership, tolerating_revoked
 
 logger = logging.getLogger(__name__)
 
 
 async def create_node(
-    p2p: P2P, initial_peers: Sequence[str], membership: SwarmMembership | None = None, **kwargs
+    p2p: P2P,
+    initial_peers: Sequence[str],
+    membership: SwarmMembership | None = None,
+    outsider: PrivateSwarmDetector | None = None,
+    **kwargs,
 ) -> DHTNode:
     """A ``DHTNode`` on ``p2p`` that neither stores nor returns records our decoder would refuse, nor,
-    in a private swarm, records that no certified server signed."""
+    in a private swarm, records that no certified server signed; outside one (no ``membership``), the
+    ``outsider`` detector (or a new one) says once that a private swarm's records came."""
     validators = [make_record_validator()]
-    if membership is not None:
-        validators.append(membership.validator)
+    validators.append(membership.validator if membership is not None else outsider or PrivateSwarmDetector())
     return await DHTNode.create(
         p2p=p2p,
         initial_peers=list(initial_peers),

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from petals.cli.errors import PetalsCommand
-from petals.cli.options import VERIFY_OPTION, private_swarm_options
+from petals.cli.options import TOKENIZER_OPTION, VERIFY_OPTION, private_swarm_options
 from petals.patches import without_torch_distributed
 
 READY_MESSAGE = "petals api: serving"
@@ -57,6 +57,7 @@ READY_MESSAGE = "petals api: serving"
     show_default=True,
     help="Seconds a WebSocket session may stay idle.",
 )
+@TOKENIZER_OPTION
 @VERIFY_OPTION
 @click.option(
     "--prompts",
@@ -79,6 +80,7 @@ def api_command(
     max_tokens: int,
     max_request_bytes: int,
     session_timeout: float,
+    tokenizer: str | None,
     verify: float,
     prompts: list[tuple[str, str]],
     **private_swarm: str | None,
@@ -103,6 +105,7 @@ def api_command(
         private_swarm=private_swarm,
         verify=verify,
         prompts=prompts,
+        tokenizer=tokenizer,
     )
 
 
@@ -130,6 +133,7 @@ def run_api(
     private_swarm: dict[str, str | None] | None = None,
     verify: float = 0.0,
     prompts: list[tuple[str, str]] = (),
+    tokenizer: str | None = None,
 ) -> None:
     """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
     try:
@@ -139,24 +143,28 @@ def run_api(
         raise click.ClickException(
             f"petals api needs its extra ({error.name} is missing): pip install 'petals-core[api]'"
         ) from error
-    from transformers import AutoTokenizer
-
     from petals import AutoDistributedModelForCausalLM
-    from petals.network.client import LOOPBACK_CLIENT
+    from petals.cli.model_files import check_local_path, finding, load_tokenizer
 
+    check_local_path(model)
     sock = bind(host, port)  # before loading: a taken port fails at once
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    client = dict(
-        initial_peers=initial_peers,
-        dht_prefix=dht_prefix,
-        verify=verify,
-        **(LOOPBACK_CLIENT if loopback else {}),
-        **(private_swarm or {}),
-    )
-    distributed = AutoDistributedModelForCausalLM.from_pretrained(model, **client)
+    try:
+        loaded_tokenizer = load_tokenizer(model, tokenizer)
+        client = dict(
+            initial_peers=initial_peers,
+            dht_prefix=dht_prefix,
+            verify=verify,
+            loopback=loopback,
+            **(private_swarm or {}),
+        )
+        with finding(model):
+            distributed = AutoDistributedModelForCausalLM.from_pretrained(model, **client)
+    except BaseException:
+        sock.close()
+        raise
     try:
         model_id = model_id or (Path(model).name if Path(model).is_dir() else model)
-        service = ModelService(distributed, tokenizer, model_id, limits, aliases=[model])
+        service = ModelService(distributed, loaded_tokenizer, model_id, limits, aliases=[model])
         for name, path in prompts:
             service.add_variant(distributed.with_prompts(path), name)
         address = sock.getsockname()

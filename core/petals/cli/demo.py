@@ -56,7 +56,7 @@ def demo_command(
 ) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     speculation = speculation_kwargs(speculative, None)
-    from petals.demo_model import prepare_demo_model, require_demo_plugin
+    from petals.demo_model import is_prepared, prepare_demo_model, require_demo_plugin
     from petals.local_swarm import running_swarm
 
     without_torch_distributed()  # before anything imports transformers' loading code
@@ -64,7 +64,8 @@ def demo_command(
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    click.echo("Preparing the model (first run only: converts the GGUF file shipped on PyPI) ...")
+    if not is_prepared(cache_dir):
+        click.echo("Preparing the model (first run only: converts the GGUF file shipped on PyPI) ...")
     model_path = prepare_demo_model(cache_dir)
     timings["prepare model"] = time.perf_counter() - started
 
@@ -179,10 +180,11 @@ def tune_demo(model_path, initial_peers, timings: dict[str, float]) -> None:
         )
         out = Path(model_path).parent / "SmolLM2-records-prompts.safetensors"
         model.save_prompts(out)
-        peers = " ".join(f"--initial_peers {peer}" for peer in initial_peers)
         click.echo(
-            f"Saved the prompts to {out}; with a swarm of the model running, use them with\n  "
-            f"petals generate {model_path} {peers} --loopback --prompts {out} '{held_out[0].prompt}'"
+            f"Saved the prompts to {out}. This swarm stops now; to use them, keep one running "
+            f"(petals demo --keep prints its --initial_peers) and run\n  "
+            f"petals generate {model_path} --initial_peers ADDR --loopback --prompts {out} "
+            f"'{held_out[0].prompt}'"
         )
     finally:
         model.close()

@@ -83,12 +83,15 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("IdentityInUseError", str),
     KnownFailure("SwarmUnreachableError", str),
     KnownFailure("MissingBlocksError", str),
+    KnownFailure("ServerFailure", str),  # every server of some blocks fails with the same [internal] error
     KnownFailure("MembershipError", str),
     KnownFailure("ModuleNotFoundError", _missing_package),
     KnownFailure("ImportError", str),  # ours say which extra to install
     KnownFailure("PluginError", str),
     KnownFailure("UntestedVersionError", str),  # says which version to install
     KnownFailure("CheckpointError", str),
+    KnownFailure("ModelNotFoundError", str),  # petals.cli.model_files
+    KnownFailure("MissingTokenizerError", str),
     KnownFailure("PromptsFileError", str),
     KnownFailure("AdapterError", str),
     KnownFailure("DiskSpaceError", str),

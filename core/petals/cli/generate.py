@@ -12,7 +12,12 @@ from typing import Any
 import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
-from petals.cli.options import PRIVATE_SWARM_OPTIONS, VERIFY_OPTION, private_swarm_option_list
+from petals.cli.options import (
+    PRIVATE_SWARM_OPTIONS,
+    TOKENIZER_OPTION,
+    VERIFY_OPTION,
+    private_swarm_option_list,
+)
 from petals.patches import without_torch_distributed
 
 PROMPT_LOOKUP_TOKENS = 10  # proposals per step: a wide-area round trip costs far more than verifying them
@@ -38,6 +43,7 @@ def client_options(command: Callable) -> Callable:
         click.option(
             "--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays."
         ),
+        TOKENIZER_OPTION,
         VERIFY_OPTION,
         click.option(
             "--prompts",
@@ -131,28 +137,26 @@ def status(message: str) -> None:
 def connect(model: str, options: dict[str, Any], **overrides: Any):
     """The tokenizer and the distributed model, saying what happens while it joins the swarm
     (``options["prompts"]``: a prompts file; ``overrides``: config fields)."""
-    from petals.cli.run_server import check_local_path
+    from petals.cli.model_files import check_local_path, finding, load_tokenizer
 
     check_local_path(model)  # before the slow imports
-    from transformers import AutoTokenizer
-
     from petals import AutoDistributedModelForCausalLM
-    from petals.network.client import LOOPBACK_CLIENT
 
     status(f"Loading the tokenizer and the local layers of {model}...")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model, options.get("tokenizer"))
     peers = list(options["initial_peers"])
     status(f"Joining the swarm through {len(peers)} initial peer(s)...")
-    distributed = AutoDistributedModelForCausalLM.from_pretrained(
-        model,
-        initial_peers=peers,
-        dht_prefix=options["dht_prefix"],
-        verify=options.get("verify", 0.0),
-        prompts=options.get("prompts"),
-        **(LOOPBACK_CLIENT if options["loopback"] else {}),
-        **{name: options[name] for name in PRIVATE_SWARM_OPTIONS},
-        **overrides,
-    )
+    with finding(model):
+        distributed = AutoDistributedModelForCausalLM.from_pretrained(
+            model,
+            initial_peers=peers,
+            dht_prefix=options["dht_prefix"],
+            verify=options.get("verify", 0.0),
+            prompts=options.get("prompts"),
+            loopback=options["loopback"],
+            **{name: options[name] for name in PRIVATE_SWARM_OPTIONS},
+            **overrides,
+        )
     return tokenizer, distributed
 
 

@@ -169,3 +169,11 @@ VERIFY_OPTION = click.option(
     help="Fraction of inference steps recomputed on a second server of the same blocks; servers caught "
     "lying are banned.",
 )
+
+
+TOKENIZER_OPTION = click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH_OR_ID",
+    help="Where the tokenizer is, when MODEL's folder has none (a folder or a Hugging Face repo id).",
+)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from petals.cli.errors import PetalsCliError, PetalsCommand, configure_logging
+from petals.cli.model_files import check_local_path, not_found
 from petals.cli.options import (
     check_private_swarm,
     exclusive,
@@ -340,15 +341,7 @@ def resolve(requested: ServerSettings) -> ServerSettings:
         option_name = OPTION_OF_SETTING.get(error.setting, error.setting)
         raise click.BadParameter(str(error), param_hint=f"--{option_name}") from error
     except (PluginError, OSError, ValueError) as error:  # the model's config, its adapters, the memory plan
-        raise PetalsCliError(str(error)) from error
-
-
-def check_local_path(name: str, what: str = "model") -> None:
-    """A name written as a path (``./x``, ``/x``, ``~/x``) must be a directory; others are repo ids."""
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
-        raise PetalsCliError(
-            f"{what} {name}: no such directory; give an existing directory or a Hugging Face repo id (org/name)"
-        )
+        raise not_found(requested.model, error) or PetalsCliError(str(error)) from error
 
 
 def run_server(settings: ServerSettings, metrics: NoMetrics) -> NoReturn:

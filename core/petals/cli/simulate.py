@@ -1,5 +1,5 @@
 """``petals simulate``: run the product's placement, rebalancing and routing policies over a simulated
-swarm (``petals.simulate``) and write the metrics as JSON, and optionally a plot."""
+swarm (``petals.simulate``) and print the metrics; optionally write them as JSON and a plot."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from petals.cli.errors import PetalsCliError
     help="YAML file of scenario keys (GPU mix, regions, round trips, ...); the options above override it.",
 )
 @click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the metrics here."
+    "--json", "json_path", type=click.Path(dir_okay=False), help="Also write the metrics here (JSON)."
 )
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of the metrics over time."
@@ -52,7 +52,7 @@ def simulate_command(
     clients: int | None,
     policy: str,
     scenario_path: str | None,
-    json_path: str,
+    json_path: str | None,
     plot_path: str | None,
 ) -> None:
     """Simulate a swarm and compare placement and routing policies (no networking)."""
@@ -73,7 +73,8 @@ def simulate_command(
     with ProcessPoolExecutor(len(policies)) as pool:
         results = dict(zip(policies, pool.map(run_policy, [scenario] * len(policies), policies), strict=True))
     report = with_comparison(scenario, results)
-    Path(json_path).write_text(json.dumps(report, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
     for line in summary_lines(report):
         click.echo(line)
     if plot_path:

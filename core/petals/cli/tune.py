@@ -24,7 +24,7 @@ import click
 
 from petals.cli.errors import PetalsCommand, configure_logging
 from petals.cli.generate import connect, encode, status
-from petals.cli.options import option, private_swarm_options
+from petals.cli.options import TOKENIZER_OPTION, option, private_swarm_options
 from petals.patches import without_torch_distributed
 
 STEP_ATTEMPTS = 3
@@ -244,6 +244,7 @@ class TuneRun:
 @option("--initial_peers", multiple=True, required=True, help="Multiaddr of a swarm peer.")
 @option("--dht_prefix", default=None, help="DHT prefix of the model (default: derived).")
 @option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only, no NAT traversal or relays.")
+@TOKENIZER_OPTION
 @option("--data", required=True, type=EXISTING_FILE, help='JSONL of {"prompt": ..., "completion": ...} rows.')
 @option("--eval", "eval_path", type=EXISTING_FILE, help="JSONL rows to evaluate on (loss, exact match).")
 @option(

@@ -53,7 +53,7 @@ from petals.client.remote_sequential import RemoteSequential
 from petals.client.suspects import Suspect
 from petals.config import model_id
 from petals.loading import Checkpoint
-from petals.network.client import ClientNetwork
+from petals.network.client import LOOPBACK_CLIENT, ClientNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -439,6 +439,7 @@ class _AutoDistributed:
         network: ClientNetwork | None = None,
         dtype: torch.dtype | None = None,
         prompts: str | os.PathLike | None = None,
+        loopback: bool = False,
         **config_overrides: Any,
     ):
         """Load the local parts of ``model_name_or_path`` (directory or hub id) and connect to the swarm.
@@ -447,7 +448,11 @@ class _AutoDistributed:
         ``host_maddrs``, ``nat_port_map``, ...), prompt tuning (``tuning_mode``, ``pre_seq_len``),
         ``num_labels``, ...; ``cache_dir``, ``revision`` and ``token`` reach the hub. ``prompts`` is a
         file written by ``save_prompts`` (``petals tune``): its mode, length and prompts are used.
+        ``loopback=True`` keeps the client's peer on 127.0.0.1 with NAT port mapping, AutoNAT and relays
+        off, as ``--loopback`` does on the command line (``LOOPBACK_CLIENT``; fields given here win).
         """
+        if loopback:
+            config_overrides = {**LOOPBACK_CLIENT, **config_overrides}
         if prompts is not None:
             _take_prompt_settings(read_header(prompts), config_overrides)
         hub_kwargs = {key: config_overrides[key] for key in _HUB_KWARGS if key in config_overrides}

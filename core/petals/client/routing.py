@@ -16,7 +16,9 @@ One retry policy serves inference, forward and backward (``handle_failure``): a 
 elsewhere only when a retry can fix it, at most ``max_retries`` times, after a backoff with jitter;
 the server is banned (``ban_timeout`` seconds, doubled after every consecutive failure) only when the
 failure is its own. A request the server refused as malformed (``bad_request``), or an error of the
-client itself, is raised at once and bans nobody.
+client itself, is raised at once and bans nobody. A server's own bug is not a flaky peer: when every
+server of some blocks answered ``[internal]`` with the same error (the only one: twice), no ban can
+help, and ``ServerFailure`` quotes that error at once instead of waiting the bans out.
 
 What the client measured of each server (``measurements.ServerMeasurements``) overrides what the
 server announced once it has samples: routes use the measured speed where it is lower, and inference
@@ -43,11 +45,11 @@ from petals.client.measurements import ServerMeasurements
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
-from petals.membership import MembershipError, SwarmMembership
+from petals.membership import PRIVATE_SWARM_HINT, MembershipError, SwarmMembership
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
 from petals.policies.routing import ROUTINGS, RouteCandidates
-from petals.wire_errors import error_kind
+from petals.wire_errors import cut, error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,14 @@ class RequestRefused(ValueError):
 
 class ServerMisbehaved(RuntimeError):
     """A server answered something that does not fit the request (wrong shapes, tensor counts)."""
+
+
+class ServerFailure(RuntimeError):
+    """Every server of some blocks fails with the same ``[internal]`` error: the servers' bug, not the network."""
+
+
+# a server's [internal] errors count together only this long (a success forgets them sooner)
+SAME_FAILURE_SECONDS = 120.0
 
 
 # failures that are the server's (or the network's), and that another server may not have
@@ -90,6 +100,24 @@ class _Ban:
     failures: int
 
 
+@dataclass
+class _InternalError:
+    """The last ``[internal]`` error text a server answered, how many times in a row, and when."""
+
+    text: str
+    times: int
+    at: float
+
+
+def internal_error_text(error: BaseException) -> str | None:
+    """The server's own words (from its ``[internal]`` tag on) if ``error`` is a server's internal failure."""
+    if not isinstance(error, P2PHandlerError):
+        return None
+    text = " ".join(str(error).split())  # one line, whatever the server's message holds
+    start = text.find("[internal] ")
+    return text[start:] if start >= 0 and error_kind(text) == "internal" else None
+
+
 class RemoteSequenceManager:
     """The client's view of the servers hosting ``{dht_prefix}.0`` … ``{dht_prefix}.{num_blocks-1}``."""
 
@@ -102,6 +130,7 @@ class RemoteSequenceManager:
         self.spans: dict[PeerID, RemoteSpanInfo] = {}  # those of them with the active adapter
         self.pings: dict[PeerID, float] = {}
         self.bans: dict[PeerID, _Ban] = {}
+        self.internal_errors: dict[PeerID, _InternalError] = {}
         self.last_update = -float("inf")
         self.measurements = ServerMeasurements(config.min_step_timeout, config.request_timeout)
         self.suspects = Suspects()  # caught lying by ``verification``: banned for good
@@ -218,6 +247,7 @@ class RemoteSequenceManager:
         logger.warning("Server %s failed; not using it for %.0f s", peer, duration)
 
     def on_request_success(self, peer: PeerID) -> None:
+        self.internal_errors.pop(peer, None)
         ban = self.bans.get(peer)
         if ban is not None and ban.until <= time.monotonic():
             del self.bans[peer]
@@ -242,12 +272,52 @@ class RemoteSequenceManager:
             if isinstance(error, P2PHandlerError):
                 raise RequestRefused(f"a server refused the request: {error}") from error
             raise error
+        text = internal_error_text(error)
+        if text is not None and peer is not None:
+            ban = self._note_internal_error(peer, text, error)
         self.check_retries(attempt, error)
         if ban:
             self.on_request_failure(peer)
         else:
             self.last_update = -float("inf")  # e.g. the server moved: read the DHT again
         await asyncio.sleep(self.retry_delay(attempt))
+
+    def _note_internal_error(self, peer: PeerID, text: str, error: BaseException) -> bool:
+        """Remember ``peer``'s ``[internal]`` error; raise ``ServerFailure`` when every server of some of
+        its blocks failed so (the only one: twice). Returns whether to ban ``peer``: not the only server
+        of its blocks after its first such error, which is retried there at once (it may have passed)."""
+        now = time.monotonic()
+        times = self.internal_errors[peer].times + 1 if self._failed_with(peer, text, now) else 1
+        self.internal_errors[peer] = _InternalError(text, times, now)
+        span = self.spans.get(peer) or self.online_spans.get(peer)
+        if span is None:
+            return True
+        failing, sole = [], False
+        for block in range(span.start, span.end):
+            servers = [
+                other
+                for other, other_span in self.spans.items()
+                if other_span.start <= block < other_span.end
+                and other not in self.suspects
+                and not self._is_unreachable(other)
+            ]
+            sole = sole or servers == [peer]
+            if all(self._failed_with(other, text, now) for other in servers) and (
+                len(servers) > 1 or times >= 2
+            ):
+                failing.append(block)
+        if failing:
+            raise ServerFailure(
+                f"every server of blocks {_ranges(failing)} (dht_prefix {self.dht_prefix!r}) fails with the "
+                f"same error, a bug of the servers rather than of the network: {cut(text, 500)}. Its operator "
+                "finds the traceback in the server's log; until it is fixed, serve these blocks with a server "
+                "that works"
+            ) from error
+        return not (sole and times == 1)
+
+    def _failed_with(self, peer: PeerID, text: str, now: float) -> bool:
+        record = self.internal_errors.get(peer)
+        return record is not None and record.text == text and now - record.at < SAME_FAILURE_SECONDS
 
     # ---- routes --------------------------------------------------------------------------------
 
@@ -334,6 +404,8 @@ class RemoteSequenceManager:
                 f"Start a server with `--adapters {adapter}` for blocks {_ranges(missing)}, "
                 "or choose another active_adapter."
             )
+        if not hosting and self.network.membership is None and self.network.private_swarm.seen:
+            raise MissingBlocksError(f"no server for block {self.block_uids[first]}: {PRIVATE_SWARM_HINT}")
         if not hosting:
             reason = "no ONLINE server announces it in the DHT"
         elif cache_tokens_needed is not None and not any(

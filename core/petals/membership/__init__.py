@@ -86,7 +86,13 @@ from petals.membership.documents import (
     utc,
     verify_signed,
 )
-from petals.membership.records import REVOCATIONS_KEY, MembershipValidator, tolerating_revoked
+from petals.membership.records import (
+    PRIVATE_SWARM_HINT,
+    REVOCATIONS_KEY,
+    MembershipValidator,
+    PrivateSwarmDetector,
+    tolerating_revoked,
+)
 
 if TYPE_CHECKING:
     from hivemind.dht import DHTNode
@@ -95,6 +101,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CERTIFICATE_PROTOCOL",
+    "PRIVATE_SWARM_HINT",
     "REVOCATIONS_FILE",
     "REVOCATIONS_KEY",
     "AdmissionGuard",
@@ -102,6 +109,7 @@ __all__ = [
     "Identity",
     "MembershipError",
     "MembershipValidator",
+    "PrivateSwarmDetector",
     "RevocationList",
     "SwarmMembership",
     "admitted",

@@ -147,6 +147,46 @@ class MembershipValidator(RecordValidatorBase):
         logger.warning("Refused a DHT record of a private swarm (subkey %s): %s", writer, error)
 
 
+PRIVATE_SWARM_HINT = (
+    "this swarm is private (its DHT records are signed by its members): join it with --swarm_authority "
+    "AUTHORITY.pub --membership CERT --identity_path KEY, which its authority issues (`petals swarm admit`); "
+    "from Python: from_pretrained(..., swarm_authority=..., membership=..., identity_path=...)"
+)
+
+
+class PrivateSwarmDetector(RecordValidatorBase):
+    """For a peer started without a private swarm's options: refuses records signed by a member (which
+    only a private swarm stores), the first with one WARNING line saying what to pass, the others quietly;
+    ``seen`` tells whether there was one."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    @property
+    def priority(self) -> int:
+        return 20  # before bounded_msgpack's validator, which would refuse the signed value as malformed
+
+    def validate(self, record: DHTRecord) -> bool:
+        if not is_signed(record.value):
+            return True
+        if not self.seen:
+            self.seen = True
+            logger.warning("This peer ignores the swarm's records: %s", PRIVATE_SWARM_HINT)
+        return False
+
+
+def is_signed(value: bytes) -> bool:
+    """Whether a DHT value ends in a member's envelope (``MembershipValidator.sign_value``), which makes
+    it no plain MessagePack value."""
+    if len(value) < ENVELOPE_TRAILER.size or not value.endswith(ENVELOPE_MARKER):
+        return False
+    try:
+        check_msgpack(value)
+    except MsgpackLimitError:
+        return True
+    return False
+
+
 def _signed_message(record: DHTRecord) -> bytes:
     return msgpack.packb(
         [b"petals-dht-record", record.key, record.subkey, record.value, record.expiration_time]

@@ -16,7 +16,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
 from petals.dht import create_node
-from petals.membership import SwarmMembership, load_membership
+from petals.membership import PrivateSwarmDetector, SwarmMembership, load_membership
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
 
 T = TypeVar("T")
@@ -46,6 +46,9 @@ class ClientNetwork:
             raise ValueError("initial_peers is empty: pass the multiaddrs of at least one peer of the swarm")
         self.options = options
         self.membership = load_membership(options)
+        self.private_swarm = (
+            PrivateSwarmDetector()
+        )  # says whether a private swarm's records came (no membership)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="petals-client-network", daemon=True
@@ -54,7 +57,9 @@ class ClientNetwork:
         try:
             self.p2p: P2P = self.run(options.create_p2p(), options.startup_timeout)
             self.node: DHTNode = self.run(
-                create_node(self.p2p, options.initial_peers, self.membership, client_mode=True),
+                create_node(
+                    self.p2p, options.initial_peers, self.membership, self.private_swarm, client_mode=True
+                ),
                 options.startup_timeout,
             )
             if self.membership is not None:
