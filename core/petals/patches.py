@@ -198,6 +198,7 @@ def _start_p2pd_apart() -> None:
 
     original = asyncio.subprocess.create_subprocess_exec
 
+    @functools.wraps(original)  # its signature stays the original's, which the shape check reads
     async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
         started = _p2pd_started.get()
         if started is None or Path(str(program)).name != "p2pd":
