@@ -97,6 +97,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# what reading a shape raises where a module, a file or a name is gone or not what it was
+_SHAPE_UNREADABLE = (ImportError, AttributeError, LookupError, OSError, SyntaxError, TypeError, ValueError)
+
+
 @dataclass(frozen=True)
 class Patch:
     target: str  # what it replaces, as "module:Qualified.name"
@@ -109,7 +113,7 @@ class Patch:
         """Whether what it patches has the shape it was written for; one debug line where not."""
         try:
             differs = self.shape()
-        except (ImportError, AttributeError, OSError, SyntaxError, TypeError, ValueError) as error:
+        except _SHAPE_UNREADABLE as error:
             differs = f"{type(error).__name__}: {error}"
         if differs is not None:
             logger.debug(
