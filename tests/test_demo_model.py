@@ -3,8 +3,6 @@ from the header alone, and transformers parsing the file once (``petals.patches.
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import gguf
 import numpy as np
 import pytest
@@ -57,7 +55,7 @@ def test_a_file_that_is_not_gguf_or_ends_early_is_refused_with_its_path(tmp_path
 
 
 def test_within_gguf_parsed_once_each_file_is_parsed_once_and_gguf_is_restored_after(tmp_path):
-    assert importlib.metadata.version("gguf") in patches.GGUF_PARSED_ONCE.versions
+    assert patches.GGUF_PARSED_ONCE.fits()
     first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_gguf(first, "llama", architecture_last=False)
     write_gguf(second, "falcon", architecture_last=False)
@@ -74,9 +72,11 @@ def test_within_gguf_parsed_once_each_file_is_parsed_once_and_gguf_is_restored_a
     assert gguf.GGUFReader(first) is not gguf.GGUFReader(first)
 
 
-def test_gguf_parsed_once_changes_nothing_with_an_untested_gguf(tmp_path, monkeypatch):
-    untested = patches.Patch(patches.GGUF_PARSED_ONCE.target, "gguf", ("0.0.1",), "a test")
-    monkeypatch.setattr(patches, "GGUF_PARSED_ONCE", untested)
+def test_gguf_parsed_once_changes_nothing_where_gguf_has_another_shape(tmp_path, monkeypatch):
+    odd = patches.Patch(
+        patches.GGUF_PARSED_ONCE.target, ("gguf 0.0.1",), "a test", lambda: "GGUFReader differs"
+    )
+    monkeypatch.setattr(patches, "GGUF_PARSED_ONCE", odd)
     path = tmp_path / "a.gguf"
     write_gguf(path, "llama", architecture_last=False)
     with patches.gguf_parsed_once():

@@ -1,11 +1,13 @@
-"""Every patch of a third-party library lives in ``petals.patches``, is declared with the version it was
-written for, refuses an untested one, and the per-server message limit leaves other peers' and
-client streams alone."""
+"""Every patch of a third-party library lives in ``petals.patches``, checks the shape of what it changes
+and is left out, in one debug line, where that differs; each patch's test shows what it prevents, by
+the failure it prevents reproduced without it (``WHAT_EACH_PATCH_PREVENTS``); and the per-server message
+limit leaves other peers' and client streams alone."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -38,33 +40,48 @@ SOURCES = sorted(
 )
 
 
-def test_every_patch_declares_what_it_replaces_and_the_versions_it_was_written_for():
+ALL_PATCHES = (
+    *patches.PATCHES,
+    *(import_patch.patch for import_patch in patches.IMPORT_PATCHES),
+    patches.TORCH_DISTRIBUTED_UNUSED,
+    patches.GGUF_PARSED_ONCE,
+)
+
+
+def test_every_patch_declares_what_it_replaces_where_it_was_checked_and_fits_the_installed_code():
     assert [patch.target for patch in patches.PATCHES] == [
         "hivemind.utils.serializer:MSGPackSerializer.loads",
         "asyncio.subprocess:create_subprocess_exec",
         "hivemind.p2p:P2P.add_binary_stream_handler (of one P2P instance)",
         "hivemind.p2p:P2P.send_protobuf, hivemind.p2p.p2p_daemon_bindings.control:write_pbmsg",
     ]
-    for patch in patches.PATCHES:
-        assert patch.reason and patch.versions
-        assert importlib.metadata.version(patch.distribution) in patch.versions  # the pinned stack is tested
-        patch.check_version()
+    patches.apply_patches()  # what petals installed in their place keeps the shape too
+    for patch in ALL_PATCHES:
+        assert patch.reason and patch.checked_on
+        assert all(len(release.split()) >= 2 for release in patch.checked_on)  # "distribution version"
+        # both ends of the ranges (make test, make test-oldest) have the shapes the patches were written for
+        assert patch.shape() is None, f"{patch.target}: {patch.shape()}"
 
 
-def test_an_untested_version_is_refused_in_one_line_and_nothing_is_patched():
+def test_a_patch_whose_target_has_another_shape_is_left_out_in_one_debug_line_and_the_rest_applies(caplog):
     installed = []
-    untested = patches.Patch(
-        "hivemind.p2p:P2P.something", "hivemind", ("0.0.1",), "a test", install=lambda: installed.append(1)
+    odd = patches.Patch(
+        "hivemind.p2p:P2P.something",
+        ("hivemind 0.0.1",),
+        "a test",
+        shape=lambda: "P2P.something is '(a, b)', not '(a)'",
+        install=lambda: installed.append(1),
     )
-    with pytest.raises(patches.UntestedVersionError) as refusal:
-        patches.apply_patches([patches.BOUNDED_MSGPACK, untested])
-    message = str(refusal.value)
-    assert "\n" not in message
-    assert "hivemind.p2p:P2P.something" in message
-    assert f"hivemind {importlib.metadata.version('hivemind')} is installed" in message
-    assert "pip install 'hivemind==0.0.1'" in message
+    with caplog.at_level(logging.DEBUG, logger="petals.patches"):
+        patches.apply_patches([patches.BOUNDED_MSGPACK, odd])
+        patches.apply_patches([odd])  # checked once
     assert installed == []
-    assert explain(refusal.value) == message  # a petals command ends with it as its one error line
+    assert [record.getMessage() for record in caplog.records if record.name == "petals.patches"] == [
+        "Leaving hivemind.p2p:P2P.something unchanged (checked on hivemind 0.0.1): "
+        "P2P.something is '(a, b)', not '(a)'"
+    ]
+    with pytest.raises(MsgpackLimitError):  # the one that fits is applied
+        MSGPackSerializer.loads(nested_tuples(200))
 
 
 def test_patches_are_applied_once():
@@ -74,6 +91,72 @@ def test_patches_are_applied_once():
     assert MSGPackSerializer.loads is loads
     with pytest.raises(MsgpackLimitError):  # checked before the C decoder would overflow its stack
         MSGPackSerializer.loads(nested_tuples(200))
+
+
+def test_a_shape_that_cannot_be_read_is_a_shape_that_differs(caplog):
+    def gone() -> str | None:
+        from hivemind.p2p import NoSuchThing  # noqa: F401
+
+    with caplog.at_level(logging.DEBUG, logger="petals.patches"):
+        assert not patches.Patch("hivemind.p2p:NoSuchThing", ("hivemind 0.0.1",), "a test", gone).fits()
+    assert "ImportError: cannot import name 'NoSuchThing'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "patch, where, changed, differs",
+    [
+        (
+            patches.BOUNDED_MSGPACK,
+            "hivemind.utils.serializer:MSGPackSerializer.loads",
+            staticmethod(lambda buf, strict=True: None),
+            "MSGPackSerializer.loads is '(buf, strict=True)', not '(buf)'",
+        ),
+        (
+            patches.WHOLE_MESSAGES,
+            "hivemind.p2p:P2P.HEADER_LEN",
+            4,
+            "P2P.HEADER_LEN is 4, not 8",
+        ),
+        (
+            patches.INBOUND_MESSAGE_LIMIT,
+            "hivemind.p2p:P2P.add_binary_stream_handler",
+            lambda self, name, handler: None,
+            "P2P.add_binary_stream_handler is '(self, name, handler)', not '(self, name, handler, balanced=False)'",
+        ),
+        (
+            patches.TORCH_DISTRIBUTED_UNUSED,
+            "transformers.utils.import_utils:is_torch_distributed_available",
+            lambda check_device=False: True,
+            "is_torch_distributed_available is '(check_device=False)', not '()'",
+        ),
+        (
+            patches.GGUF_PARSED_ONCE,
+            "gguf:get_tensor_name_map",
+            lambda arch: None,
+            "get_tensor_name_map is '(arch)', not '(arch, n_blocks)'",
+        ),
+    ],
+)
+def test_a_patch_sees_a_changed_signature_or_attribute(monkeypatch, patch, where, changed, differs):
+    module, _, name = where.partition(":")
+    owner = importlib.import_module(module)
+    if "." in name:
+        owner, name = getattr(owner, name.split(".")[0]), name.split(".")[1]
+    monkeypatch.setattr(owner, name, changed)
+    assert differs in patch.shape()
+    assert not patch.fits()
+
+
+def test_an_import_patch_reads_its_package_from_its_files(tmp_path, monkeypatch):
+    """The lazy hivemind packages compare the ``__init__``'s imports with their export table, which
+    changes with the package; torch._dynamo's the signatures of the marks transformers makes."""
+    monkeypatch.setitem(patches._HIVEMIND_EXPORTS, "hivemind.dht", {"DHT": "hivemind.dht.dht"})
+    differs = patches.LAZY_HIVEMIND_DHT.patch.shape()
+    assert differs.startswith("its __init__ imports differ in [('DHTID', 'hivemind.dht.routing')")
+    monkeypatch.setitem(patches._DYNAMO_MARKS, "disable", "(fn=None, recursive=True)")
+    assert "decorators.disable is '(fn=None, recursive=True, *, reason=None, wrapping=True)', not" in (
+        patches.LAZY_DYNAMO.patch.shape()
+    )
 
 
 class RecordingWriter:
@@ -109,6 +192,33 @@ def test_a_stream_message_is_written_whole_and_reads_back_the_same(size):
 
         response, error = asyncio.run(read_back(wire))
         assert (response, error) == ((message, None) if sent is message else (None, sent))
+
+
+HIVEMINDS_OWN_WRITES = """
+import asyncio
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+from hivemind.p2p.p2p_daemon_bindings import control
+
+class Writer:
+    writes = 0
+    def write(self, data):
+        Writer.writes += 1
+    async def drain(self):
+        pass
+
+asyncio.run(P2P.send_protobuf(runtime_pb2.ExpertResponse(metadata=b"m" * 200), Writer()))
+stream = Writer.writes
+Writer.writes = 0
+asyncio.run(control.write_pbmsg(Writer(), runtime_pb2.ExpertRequest(metadata=b"u" * 300)))
+print(stream, Writer.writes)
+"""
+
+
+def test_without_it_hivemind_writes_one_message_in_several_writes():
+    """What ``WHOLE_MESSAGES`` prevents: a stream message in three writes (marker, length, body) and a
+    unary message's 2-byte length byte by byte, each a system call p2pd may forward as a frame of its own."""
+    assert run_python(HIVEMINDS_OWN_WRITES).split() == ["3", "3"]
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_383, 16_384, 2**21 + 5])
@@ -160,6 +270,22 @@ def test_after_import_petals_hivemind_imports_only_the_subpackages_used_and_its_
     assert lines[0].startswith("['hivemind.averaging', 'hivemind.moe', 'hivemind.optim']")
 
 
+LOGGER_IMPORTS = """
+import sys
+{before}
+from hivemind.utils.logging import get_logger
+from hivemind.dht.routing import DHTID
+print("torch" in sys.modules)
+"""
+
+
+def test_without_them_a_logger_or_a_dht_id_of_hivemind_imports_torch():
+    """What ``LAZY_HIVEMIND_UTILS`` and ``LAZY_HIVEMIND_DHT`` prevent: a peer that holds no blocks
+    (``petals dht``, ``monitor``, ``health``) importing torch through hivemind's package ``__init__``s."""
+    assert run_python(LOGGER_IMPORTS.format(before="")).split() == ["True"]
+    assert run_python(LOGGER_IMPORTS.format(before="import petals")).split() == ["False"]
+
+
 @pytest.mark.parametrize("package", ["hivemind", "hivemind.dht", "hivemind.utils"])
 def test_a_lazy_hivemind_package_exports_what_its_init_imports_and_the_same_objects(package):
     """The export tables are read off the installed ``__init__`` files, and each name is the object the
@@ -182,17 +308,17 @@ def test_a_lazy_hivemind_package_exports_what_its_init_imports_and_the_same_obje
         _ = importlib.import_module(package).no_such_name
 
 
-def test_an_import_patch_of_an_untested_version_leaves_the_import_alone():
+def test_an_import_patch_of_another_shape_leaves_the_import_alone():
     code = HIVEMIND_IMPORTS.format(
         before="from petals import patches\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_ImportPatchFinder']\n"
-        "untested = patches.Patch('hivemind:__init__', 'hivemind', ('0.0.1',), 'a test')\n"
-        "patches.install_import_patches([patches.ImportPatch('hivemind', untested, patches.LAZY_HIVEMIND.exec_module)])"
+        "odd = patches.Patch('hivemind:__init__', ('hivemind 0.0.1',), 'a test', lambda: 'its __init__ differs')\n"
+        "patches.install_import_patches([patches.ImportPatch('hivemind', odd, patches.LAZY_HIVEMIND.exec_module)])"
     )
     assert run_python(code).startswith("['hivemind.averaging', 'hivemind.moe', 'hivemind.optim']")
 
 
-def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_for():
+def test_every_import_patch_declares_its_module():
     assert [patch.module for patch in patches.IMPORT_PATCHES] == [
         "hivemind",
         "hivemind.dht",
@@ -200,9 +326,6 @@ def test_every_import_patch_declares_its_module_and_the_versions_it_was_written_
         "torch._dynamo",
         "scipy.optimize",
     ]
-    for import_patch in patches.IMPORT_PATCHES:
-        assert import_patch.patch.reason
-        import_patch.patch.check_version()
 
 
 COMPILER_MARKS = """
@@ -424,6 +547,37 @@ LazyClass.path = "x"
     )  # it does find the real ones
 
 
+P2PD_SESSIONS = """
+import asyncio, os
+from hivemind.p2p import P2P
+from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
+
+async def main():
+    options = dict(host_maddrs=LOOPBACK_MADDRS, nat_port_map=False, auto_nat=False, use_relay=False)
+    plain = await P2P.create(**options)  # hivemind's own start, before petals patches anything
+    try:
+        ours = await NetworkOptions(**options).create_p2p()
+        try:
+            print(os.getsid(plain._child.pid) == os.getsid(0), os.getsid(ours._child.pid) == os.getsid(0))
+        finally:
+            await leave_network(ours, None)
+    finally:
+        await plain.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_without_p2pd_apart_p2pd_shares_our_session_and_so_our_signals():
+    """What ``P2PD_APART`` prevents: hivemind starts p2pd in our session and process group, so that
+    Ctrl-C or systemd's group signal stops the daemon before the server can announce OFFLINE through
+    it (tests/test_server_signals.py has the whole story)."""
+    result = subprocess.run(
+        [sys.executable, "-c", P2PD_SESSIONS], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split() == ["True", "False"], result.stderr
+
+
 # ---- the message-size limit belongs to one server's P2P -----------------------------------------
 
 LIMIT = 10_000
@@ -623,7 +777,79 @@ print(is_torch_distributed_available(), *(name in sys.modules for name in {unuse
 
 
 def test_transformers_sees_torch_distributed_as_before_where_its_loading_code_came_first():
+    """Also what ``TORCH_DISTRIBUTED_UNUSED`` prevents: without it, loading code imports sympy, DTensor
+    and FSDP."""
     unused = UNUSED_BY_A_SERVER
     assert run_python(AFTER_LOADING_CODE.format(before="", unused=unused)).split() == ["False"] * 4
+    unpatched = AFTER_LOADING_CODE.replace("without_torch_distributed()\n", "")
+    assert run_python(unpatched.format(before="", unused=unused)).split() == ["True"] * 4
     before = "import transformers.core_model_loading"  # its module-level imports ran already: nothing changes
     assert run_python(AFTER_LOADING_CODE.format(before=before, unused=unused)).split() == ["True"] * 4
+
+
+# ---- the demo model's conversion from GGUF -------------------------------------------------------
+
+
+def test_without_gguf_parsed_once_transformers_parses_a_file_per_use(tmp_path, monkeypatch):
+    """What ``GGUF_PARSED_ONCE`` prevents: transformers parsing a GGUF file anew each time it reads from
+    it (the demo model's conversion asks three times, about 5 s each on two cores)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig
+
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):  # gguf's own signature, which the patch checks
+            parsed.append(path)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    for within in (contextlib.nullcontext, patches.gguf_parsed_once):
+        parsed.clear()
+        with within():
+            for _ in range(2):
+                assert AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf").num_hidden_layers == 1
+        assert len(parsed) == (2 if within is contextlib.nullcontext else 1)
+
+
+# ---- each patch shows what it prevents ------------------------------------------------------------
+
+# the test that reproduces, without the patch, the failure it prevents: when it stops failing that way on
+# both ends of the ranges, the patch is no longer needed
+WHAT_EACH_PATCH_PREVENTS = {
+    patches.BOUNDED_MSGPACK.target: "test_bounded_msgpack.py::test_unbounded_decoder_crashes_and_bounded_one_refuses",
+    patches.P2PD_APART.target: "test_patches.py::test_without_p2pd_apart_p2pd_shares_our_session_and_so_our_signals",
+    patches.INBOUND_MESSAGE_LIMIT.target: "test_patches.py::test_a_server_limit_refuses_only_inbound_streams_of_its_own_p2p",
+    patches.WHOLE_MESSAGES.target: "test_patches.py::test_without_it_hivemind_writes_one_message_in_several_writes",
+    patches.LAZY_HIVEMIND.patch.target: "test_patches.py::"
+    "test_after_import_petals_hivemind_imports_only_the_subpackages_used_and_its_names_on_access",
+    patches.LAZY_HIVEMIND_DHT.patch.target: "test_patches.py::"
+    "test_without_them_a_logger_or_a_dht_id_of_hivemind_imports_torch",
+    patches.LAZY_HIVEMIND_UTILS.patch.target: "test_patches.py::"
+    "test_without_them_a_logger_or_a_dht_id_of_hivemind_imports_torch",
+    patches.LAZY_DYNAMO.patch.target: "test_patches.py::"
+    "test_transformers_imports_neither_the_compiler_nor_scipy_optimize_and_compiles_the_same_when_asked",
+    patches.LAZY_SCIPY_OPTIMIZE.patch.target: "test_patches.py::"
+    "test_transformers_imports_neither_the_compiler_nor_scipy_optimize_and_compiles_the_same_when_asked",
+    patches.TORCH_DISTRIBUTED_UNUSED.target: "test_patches.py::"
+    "test_transformers_sees_torch_distributed_as_before_where_its_loading_code_came_first",
+    patches.GGUF_PARSED_ONCE.target: "test_patches.py::test_without_gguf_parsed_once_transformers_parses_a_file_per_use",
+}
+
+
+def test_every_patch_has_a_test_of_what_it_prevents():
+    assert sorted(WHAT_EACH_PATCH_PREVENTS) == sorted(patch.target for patch in ALL_PATCHES)
+    for node_id in WHAT_EACH_PATCH_PREVENTS.values():
+        file, _, name = node_id.partition("::")
+        tree = ast.parse((ROOT / "tests" / file).read_text())
+        assert name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, node_id

@@ -1,4 +1,4 @@
-"""Every change petals makes to a third-party library, each checked against the version it was written for.
+"""Every change petals makes to a third-party library, each checked against the shape of what it changes.
 
 hivemind 1.1.12 offers no option for four things petals needs, so petals changes its behaviour:
 
@@ -18,11 +18,13 @@ hivemind 1.1.12 offers no option for four things petals needs, so petals changes
   length and body, and a unary message's length byte by byte, in separate writes, and each write is a
   system call the daemon may wake up for and forward as a frame of its own. The bytes are the same.
 
-Each is a ``Patch`` in ``PATCHES``: the attribute it replaces, the distribution whose code it was
-written against and the versions it was tested with. Applying one first checks the installed
-version and refuses an untested one with one line saying what to install (``UntestedVersionError``).
-The process-wide ones are applied once, by ``apply_patches``, where every entry point creates its
-peer: ``NetworkOptions.create_p2p``, which server start, ``petals dht``, the client's
+Each is a ``Patch`` in ``PATCHES``: the attribute it replaces, the releases it was checked on, and its
+shape: what the patch relies on in the code it changes (the attribute, function or signature it
+replaces), checked where it is applied instead of a version. A release where the shape differs is left
+alone, with one debug line saying what differs, and startup continues (``Patch.fits``); each patch's
+test in ``tests/test_patches.py`` shows what it prevents, reproduced without it, so that one no longer
+needed shows up there. The process-wide ones are applied once, by ``apply_patches``, where every entry
+point creates its peer: ``NetworkOptions.create_p2p``, which server start, ``petals dht``, the client's
 ``from_pretrained`` and ``petals.testing`` all go through (so ``petals --help`` still imports
 neither hivemind nor torch). Nothing else in petals assigns into a third-party module or class
 (``tests/test_patches.py`` checks it).
@@ -50,8 +52,8 @@ starts with about 45 MiB less and 0.5 s sooner; docs/performance.md has the meas
   extension module without it.
 
 ``import petals`` installs them (``install_import_patches``: a finder ahead of Python's own that
-touches only these packages, and none imported already). An import patch that finds an untested
-version leaves the import alone: it only saves memory and time.
+touches only these packages, and none imported already). An import patch checks its package's shape
+from its files, without importing it.
 
 One more is for petals' own commands alone: ``petals serve``, ``chat``, ``generate``, ``tune``, ``api`` and
 ``demo`` first make transformers' ``is_torch_distributed_available`` answer False
@@ -66,6 +68,7 @@ once per module (34 s down to 14 s on two cores, the same files written).
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import contextvars
@@ -74,6 +77,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -93,26 +97,59 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class UntestedVersionError(RuntimeError):
-    """A patched library is installed in a version its patch was not written for."""
+# what reading a shape raises where a module, a file or a name is gone or not what it was
+_SHAPE_UNREADABLE = (ImportError, AttributeError, LookupError, OSError, SyntaxError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
 class Patch:
     target: str  # what it replaces, as "module:Qualified.name"
-    distribution: str  # whose code it was written against
-    versions: tuple[str, ...]  # the versions of that distribution it is tested with
+    checked_on: tuple[str, ...]  # the releases it was written and tested against, as "distribution version"
     reason: str
+    shape: Callable[[], str | None]  # what differs from the code it was written against; None: nothing
     install: Callable[[], None] | None = None  # process-wide patches: apply_patches runs it once
 
-    def check_version(self) -> None:
-        installed = importlib.metadata.version(self.distribution)
-        if installed not in self.versions:
-            tested = " or ".join(self.versions)
-            raise UntestedVersionError(
-                f"petals patches {self.target} as {self.distribution} {tested} has it, but {self.distribution} "
-                f"{installed} is installed: pip install '{self.distribution}=={self.versions[-1]}'"
+    def fits(self) -> bool:
+        """Whether what it patches has the shape it was written for; one debug line where not."""
+        try:
+            differs = self.shape()
+        except _SHAPE_UNREADABLE as error:
+            differs = f"{type(error).__name__}: {error}"
+        if differs is not None:
+            logger.debug(
+                "Leaving %s unchanged (checked on %s): %s", self.target, ", ".join(self.checked_on), differs
             )
+        return differs is None
+
+
+def _signature(function: Callable) -> str:
+    """``function``'s parameters as written, without annotations: ``(path, mode='r')``."""
+    plain = inspect.signature(function)
+    parameters = [parameter.replace(annotation=parameter.empty) for parameter in plain.parameters.values()]
+    return str(plain.replace(parameters=parameters, return_annotation=plain.empty))
+
+
+def _expect(**found_and_expected: tuple[Any, Any]) -> str | None:
+    """What differs, as ``name is X, not Y``; None when every found value is the expected one."""
+    differs = [
+        f"{name.replace('__', '.')} is {found!r}, not {expected!r}"
+        for name, (found, expected) in found_and_expected.items()
+        if found != expected
+    ]
+    return "; ".join(differs) or None
+
+
+def _hivemind_framing() -> str | None:
+    """hivemind's stream message: a one-byte marker, an 8-byte big-endian length, the body in 64 KiB chunks."""
+    from hivemind.p2p import P2P
+
+    return _expect(
+        P2P__MESSAGE_MARKER=(P2P.MESSAGE_MARKER, b"\x00"),
+        P2P__ERROR_MARKER=(P2P.ERROR_MARKER, b"\x01"),
+        P2P__HEADER_LEN=(P2P.HEADER_LEN, 8),
+        P2P__BYTEORDER=(P2P.BYTEORDER, "big"),
+        P2P__send_raw_data=(_signature(P2P.send_raw_data), "(data, writer, *, chunk_size=65536)"),
+    )
 
 
 def _write_messages_whole() -> None:
@@ -130,19 +167,20 @@ def _write_messages_whole() -> None:
             writer.write(body[offset : offset + chunk])
         await writer.drain()
 
-    async def write_pbmsg(stream: asyncio.StreamWriter, pbmsg: Any) -> None:
-        body = pbmsg.SerializeToString()
-        size, varint = len(body), bytearray()
-        while True:  # an unsigned varint, 7 bits a byte, least significant first
-            varint.append(size & 0x7F | (0x80 if size >> 7 else 0))
-            size >>= 7
-            if not size:
-                break
-        stream.write(bytes(varint) + body)
-        await stream.drain()
-
     P2P.send_protobuf = staticmethod(send_protobuf)
-    control.write_pbmsg = write_pbmsg
+    control.write_pbmsg = _write_pbmsg_whole
+
+
+async def _write_pbmsg_whole(stream: asyncio.StreamWriter, pbmsg: Any) -> None:
+    body = pbmsg.SerializeToString()
+    size, varint = len(body), bytearray()
+    while True:  # an unsigned varint, 7 bits a byte, least significant first
+        varint.append(size & 0x7F | (0x80 if size >> 7 else 0))
+        size >>= 7
+        if not size:
+            break
+    stream.write(bytes(varint) + body)
+    await stream.drain()
 
 
 def _bound_msgpack_decoding() -> None:
@@ -164,6 +202,7 @@ def _start_p2pd_apart() -> None:
 
     original = asyncio.subprocess.create_subprocess_exec
 
+    @functools.wraps(original)  # its signature stays the original's, which the shape check reads
     async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
         started = _p2pd_started.get()
         if started is None or Path(str(program)).name != "p2pd":
@@ -218,54 +257,113 @@ def p2pd_exit_reason(process: asyncio.subprocess.Process) -> str | None:
     return reasons[-1] if reasons else None
 
 
-HIVEMIND = ("hivemind", ("1.1.12",))
+def _msgpack_shape() -> str | None:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return _expect(MSGPackSerializer__loads=(_signature(MSGPackSerializer.loads), "(buf)"))
+
+
+def _p2pd_start_shape() -> str | None:
+    import asyncio.subprocess
+
+    from hivemind.p2p import P2P
+
+    if "asyncio.subprocess.create_subprocess_exec(" not in inspect.getsource(P2P.create):
+        return "P2P.create does not start p2pd through asyncio.subprocess.create_subprocess_exec"
+    return _expect(
+        create_subprocess_exec=(
+            _signature(asyncio.subprocess.create_subprocess_exec),
+            "(program, *args, stdin=None, stdout=None, stderr=None, limit=65536, **kwds)",
+        )
+    )
+
+
+def _stream_handler_shape() -> str | None:
+    from hivemind.p2p import P2P
+
+    if "reader.readexactly(content_length)" not in inspect.getsource(P2P.receive_raw_data):
+        return "P2P.receive_raw_data does not read a body with one readexactly(length)"
+    return _hivemind_framing() or _expect(
+        P2P__add_binary_stream_handler=(
+            _signature(P2P.add_binary_stream_handler),
+            "(self, name, handler, balanced=False)",
+        )
+    )
+
+
+def _message_writes_shape() -> str | None:
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings import control, utils
+
+    return _hivemind_framing() or _expect(
+        P2P__send_protobuf=(_signature(P2P.send_protobuf), "(protobuf, writer)"),
+        control__write_pbmsg=(_signature(control.write_pbmsg), "(stream, pbmsg)"),
+        control__write_pbmsg__origin=(control.write_pbmsg in (utils.write_pbmsg, _write_pbmsg_whole), True),
+    )
+
+
+HIVEMIND = ("hivemind 1.1.12",)
 
 BOUNDED_MSGPACK = Patch(
     "hivemind.utils.serializer:MSGPackSerializer.loads",
-    *HIVEMIND,
+    HIVEMIND,
     reason="refuse MessagePack nested too deep or too large before the C decoder recurses into it",
+    shape=_msgpack_shape,
     install=_bound_msgpack_decoding,
 )
 P2PD_APART = Patch(
     "asyncio.subprocess:create_subprocess_exec",
-    *HIVEMIND,
+    HIVEMIND,
     reason="P2P.create starts p2pd through it and offers no start_new_session option",
+    shape=_p2pd_start_shape,
     install=_start_p2pd_apart,
 )
 INBOUND_MESSAGE_LIMIT = Patch(
     "hivemind.p2p:P2P.add_binary_stream_handler (of one P2P instance)",
-    *HIVEMIND,
+    HIVEMIND,
     reason="P2P registers its stream handlers through it and reads a message body with one "
     "readexactly(length), however long the length header says it is",
+    shape=_stream_handler_shape,
 )
 WHOLE_MESSAGES = Patch(
     "hivemind.p2p:P2P.send_protobuf, hivemind.p2p.p2p_daemon_bindings.control:write_pbmsg",
-    *HIVEMIND,
+    HIVEMIND,
     reason="each writes one message to the p2p daemon in several writes (a stream message in three, "
     "a unary message's length byte by byte), each a system call the daemon may forward on its own",
+    shape=_message_writes_shape,
     install=_write_messages_whole,
 )
 PATCHES: tuple[Patch, ...] = (BOUNDED_MSGPACK, P2PD_APART, INBOUND_MESSAGE_LIMIT, WHOLE_MESSAGES)
 
+
+@functools.cache
+def _fits_once(patch: Patch) -> bool:
+    return patch.fits()
+
+
 _applied: set[str] = set()
+_skipped: set[str] = set()  # checked, and left alone: their shape differs
 _applying = threading.Lock()
 
 
 def apply_patches(patches: Sequence[Patch] = PATCHES) -> None:
-    """Install the process-wide ``patches`` not installed yet; refuse (changing nothing) if any is untested."""
+    """Install the process-wide ``patches`` not installed yet, each where its target has its shape."""
     with _applying:
-        pending = [patch for patch in patches if patch.install is not None and patch.target not in _applied]
-        for patch in pending:
-            patch.check_version()
-        for patch in pending:
-            patch.install()
-            _applied.add(patch.target)
+        for patch in patches:
+            if patch.install is None or patch.target in _applied | _skipped:
+                continue
+            if patch.fits():
+                patch.install()
+                _applied.add(patch.target)
+            else:
+                _skipped.add(patch.target)
 
 
 @contextlib.contextmanager
 def p2pd_started_apart() -> Iterator[list[asyncio.subprocess.Process]]:
-    """Within: every p2pd that hivemind starts runs in a session of its own; yields them as they start."""
-    if P2PD_APART.target not in _applied:
+    """Within: every p2pd that hivemind starts runs in a session of its own; yields them as they start
+    (none where hivemind starts p2pd otherwise than ``P2PD_APART`` knows: it stays in our session)."""
+    if P2PD_APART.target not in _applied | _skipped:
         raise RuntimeError("p2pd_started_apart needs apply_patches() first")
     started: list[asyncio.subprocess.Process] = []
     token = _p2pd_started.set(started)
@@ -293,7 +391,8 @@ def limit_inbound_message_size(p2p: P2P, max_bytes: int) -> None:
     its end (hivemind's client closes as soon as it reads the error), or after
     ``CALLER_CLOSE_GRACE`` seconds. Successful streams close at once: a caller reads until the close.
     """
-    INBOUND_MESSAGE_LIMIT.check_version()
+    if not _fits_once(INBOUND_MESSAGE_LIMIT):  # its debug line says why; hivemind reads streams whole
+        return
     registering = vars(p2p).get("add_binary_stream_handler")
     if isinstance(registering, _BoundedStreams):
         registering.max_bytes = max_bytes
@@ -481,12 +580,43 @@ class ImportPatch:
     ]  # runs instead of the loader's
 
 
+def _package_file(module: str, name: str = "__init__.py") -> Path:
+    """A file of the package ``module``, found as the import system would find it, without importing it."""
+    parent = module.rpartition(".")[0]
+    path = importlib.import_module(parent).__path__ if parent else None
+    spec = importlib.machinery.PathFinder.find_spec(module, path)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"no package {module} on the path")
+    return Path(next(iter(spec.submodule_search_locations))) / name
+
+
+def _exports_shape(package: str) -> Callable[[], str | None]:
+    """Whether the package's ``__init__`` imports exactly the names ``_HIVEMIND_EXPORTS`` exports, from
+    the same modules."""
+
+    def shape() -> str | None:
+        init = ast.parse(_package_file(package).read_text())
+        imports = {
+            alias.asname or alias.name: node.module
+            for node in init.body
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
+        exports = _HIVEMIND_EXPORTS[package]
+        if imports != exports:
+            return f"its __init__ imports differ in {sorted(set(imports.items()) ^ set(exports.items()))}"
+        return None
+
+    return shape
+
+
 LAZY_HIVEMIND = ImportPatch(
     "hivemind",
     Patch(
         "hivemind:__init__",
-        *HIVEMIND,
+        HIVEMIND,
         reason="its __init__ imports averaging (and scipy), moe and optim to export names petals does not use",
+        shape=_exports_shape("hivemind"),
     ),
     _hivemind_exports_on_access,
 )
@@ -494,8 +624,9 @@ LAZY_HIVEMIND_DHT = ImportPatch(
     "hivemind.dht",
     Patch(
         "hivemind.dht:__init__",
-        *HIVEMIND,
+        HIVEMIND,
         reason="its __init__ imports DHT, the multiprocessing wrapper petals does not use, and torch with it",
+        shape=_exports_shape("hivemind.dht"),
     ),
     _hivemind_exports_on_access,
 )
@@ -503,9 +634,10 @@ LAZY_HIVEMIND_UTILS = ImportPatch(
     "hivemind.utils",
     Patch(
         "hivemind.utils:__init__",
-        *HIVEMIND,
+        HIVEMIND,
         reason="its __init__ imports torch (through mpfuture and tensor_descr) for every module of hivemind "
         "that needs a logger, so that a DHT-only peer (petals dht, monitor, health) imported torch",
+        shape=_exports_shape("hivemind.utils"),
     ),
     _hivemind_exports_on_access,
 )
@@ -623,13 +755,43 @@ def _scipy_optimize_on_access(
     _InitOnAccess(module, exec_module, {"linear_sum_assignment": linear_sum_assignment}, ["_lsap"])
 
 
+# what the stand-ins take and hand on (torch.compiler.disable calls disable(fn, recursive, reason=...))
+_DYNAMO_MARKS = {
+    "disable": "(fn=None, recursive=True, *, reason=None, wrapping=True)",
+    "allow_in_graph": "(fn)",
+    "assume_constant_result": "(fn)",
+}
+
+
+def _dynamo_shape() -> str | None:
+    """The marks' signatures in ``torch/_dynamo/decorators.py``, read without importing it, and the one
+    submodule transformers imports on its own."""
+    if not _package_file("torch._dynamo", "_trace_wrapped_higher_order_op.py").is_file():
+        return "torch._dynamo has no _trace_wrapped_higher_order_op module"
+    tree = ast.parse(_package_file("torch._dynamo", "decorators.py").read_text())
+    found = {
+        node.name: f"({ast.unparse(node.args)})"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in _DYNAMO_MARKS
+    }
+    return _expect(
+        **{f"decorators__{name}": (found.get(name), marks) for name, marks in _DYNAMO_MARKS.items()}
+    )
+
+
+def _scipy_optimize_shape() -> str | None:
+    if "from ._lsap import linear_sum_assignment" not in _package_file("scipy.optimize").read_text():
+        return "scipy.optimize does not take linear_sum_assignment from its _lsap module"
+    return None
+
+
 LAZY_DYNAMO = ImportPatch(
     "torch._dynamo",
     Patch(
         "torch._dynamo:__init__",
-        "torch",
-        ("2.13.0", "2.13.0+cpu"),
+        ("torch 2.13.0",),
         reason="transformers imports it on every model import to mark functions for a compiler a server never runs",
+        shape=_dynamo_shape,
     ),
     _dynamo_on_access,
 )
@@ -637,9 +799,9 @@ LAZY_SCIPY_OPTIMIZE = ImportPatch(
     "scipy.optimize",
     Patch(
         "scipy.optimize:__init__",
-        "scipy",
-        ("1.17.1",),
+        ("scipy 1.17.1",),
         reason="transformers' object-detection losses import linear_sum_assignment on every model import",
+        shape=_scipy_optimize_shape,
     ),
     _scipy_optimize_on_access,
 )
@@ -704,19 +866,10 @@ class _ImportPatchFinder(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        if spec.loader is None or not _is_tested(patch.patch):
+        if spec.loader is None or not patch.patch.fits():
             return spec
         spec.loader = _PatchingLoader(spec.loader, patch)
         return spec
-
-
-def _is_tested(patch: Patch) -> bool:
-    try:
-        patch.check_version()
-    except (UntestedVersionError, importlib.metadata.PackageNotFoundError) as error:
-        logger.debug("Leaving %s unchanged: %s", patch.target, error)
-        return False
-    return True
 
 
 def install_import_patches(patches: Sequence[ImportPatch] = IMPORT_PATCHES) -> None:
@@ -739,12 +892,26 @@ def _torch_distributed_unused() -> None:
     transformers.utils.is_torch_distributed_available = is_torch_distributed_available
 
 
+def _torch_distributed_shape() -> str | None:
+    import transformers.utils
+    import transformers.utils.import_utils
+
+    asked = transformers.utils.import_utils.is_torch_distributed_available
+    return _expect(
+        is_torch_distributed_available=(_signature(asked), "()"),
+        transformers__utils__is_torch_distributed_available=(
+            transformers.utils.is_torch_distributed_available is asked,
+            True,
+        ),
+    )
+
+
 TORCH_DISTRIBUTED_UNUSED = Patch(
     "transformers.utils.import_utils:is_torch_distributed_available",
-    "transformers",
-    ("5.24.0",),
+    ("transformers 5.24.0",),
     reason="transformers' loading code imports DTensor and FSDP (and, through them, sympy) at module level "
     "whenever torch.distributed is built in, for process groups petals' commands never create",
+    shape=_torch_distributed_shape,
     install=_torch_distributed_unused,
 )
 
@@ -756,10 +923,8 @@ def without_torch_distributed() -> None:
     ``tensor_parallel`` library's, in one process), so transformers' parallel code has nothing to do
     there, but its loading code imports ``torch.distributed.tensor`` and FSDP at module level, and sympy
     through them: 43 MiB and 0.8 s of a server's start. Does nothing once any of that code is imported
-    (its ``if`` ran already) or with a transformers version it was not tested with."""
-    if any(name.startswith("transformers.distributed") for name in sys.modules) or not _is_tested(
-        TORCH_DISTRIBUTED_UNUSED
-    ):
+    (its ``if`` ran already) or where ``is_torch_distributed_available`` has another shape."""
+    if any(name.startswith("transformers.distributed") for name in sys.modules):
         return
     apply_patches([TORCH_DISTRIBUTED_UNUSED])
 
@@ -767,13 +932,22 @@ def without_torch_distributed() -> None:
 # ---- the demo model's one-time conversion from GGUF -------------------------------------------------
 
 
+def _gguf_shape() -> str | None:
+    import gguf
+
+    return _expect(
+        GGUFReader=(_signature(gguf.GGUFReader), "(path, mode='r')"),
+        get_tensor_name_map=(_signature(gguf.get_tensor_name_map), "(arch, n_blocks)"),
+    )
+
+
 GGUF_PARSED_ONCE = Patch(
     "gguf:GGUFReader, gguf:get_tensor_name_map (within gguf_parsed_once)",
-    "gguf",
-    ("0.19.0",),
+    ("gguf 0.19.0 with transformers 5.24.0",),
     reason="transformers parses a GGUF file's metadata anew for the config, the tokenizer and the weights "
     "(SmolLM2's 100,000 vocabulary fields: about 5 s each on two cores), and builds gguf's tensor name "
     "map once per module of the model (397 times for SmolLM2)",
+    shape=_gguf_shape,
 )
 
 
@@ -781,8 +955,8 @@ GGUF_PARSED_ONCE = Patch(
 def gguf_parsed_once() -> Iterator[None]:
     """Within: each GGUF file is parsed once and each tensor name map built once, however often
     transformers asks. Readers only read (a memory map opened read-only), so sharing one is safe; the
-    block ends with gguf as it was. With an untested gguf, or none, it changes nothing."""
-    if not _is_tested(GGUF_PARSED_ONCE):
+    block ends with gguf as it was. Where gguf has another shape, or is not installed, it changes nothing."""
+    if not GGUF_PARSED_ONCE.fits():
         yield
         return
     import gguf
