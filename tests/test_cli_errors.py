@@ -8,6 +8,7 @@ log level is DEBUG. A missing optional package is made unimportable in that proc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -225,7 +226,12 @@ def fixtures(
     ("case", "args", "exit_code", "message", "without"), CASES, ids=[case[0] for case in CASES]
 )
 def test_known_failure_ends_in_one_error_line(fixtures, case, args, exit_code, message, without):
-    result = run_petals(*args(fixtures), without=without)
+    command = args(fixtures)
+    if command[0] == "api" and without is None and importlib.util.find_spec("fastapi") is None:
+        pytest.skip(
+            "petals api's extra is not installed here (the oldest lane): pip install 'petals-core[api]'"
+        )
+    result = run_petals(*command, without=without)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == exit_code, result.stderr
     assert lines[-1].startswith("Error: ") and message.format(**fixtures) in lines[-1], result.stderr
