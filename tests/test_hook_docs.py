@@ -19,7 +19,7 @@ def test_hook_has_docstring_and_guide_section(name):
 
 
 def test_hook_names_lists_every_spec():
-    assert {"register_model_families", "dht_prefix", "quantize_module", "tensor_parallel_config"} == set(
+    assert {"register_model_families", "dht_prefix", "cache_spec", "quantize_module", "tensor_parallel_config"} == set(
         hookspecs.hook_names()
     )
 

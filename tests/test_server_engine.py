@@ -83,7 +83,7 @@ def run_directly(blocks: HostedBlocks, *steps: torch.Tensor) -> list[torch.Tenso
     outputs = []
     for hidden in steps:
         for backend, cache in zip(blocks.backends.values(), caches, strict=True):
-            hidden = backend.inference_step(hidden, None, cache)
+            hidden = backend.inference_step(hidden, None, cache.view())
         outputs.append(hidden)
     return outputs
 

@@ -1,11 +1,13 @@
-"""The server's KV-cache budget: a page pool per hosted block, and which sessions may start.
+"""The server's cache budget: a page pool per hosted block, and which sessions may start.
 
 ``--attn_cache_tokens`` is the number of tokens of keys and values the server keeps **per hosted
 block**: each block gets a pool of ``attn_cache_tokens / page_tokens`` pages (one per
-tensor-parallel shard), which sessions take page by page as they grow and give back when they
-rewind or end. ``max_length`` only caps a session; it reserves nothing. A session is admitted when
-it could ever fit and its first step's pages are free now; one that later finds no free page fails
-alone with a clear error (``OutOfPagesError``), its neighbours' pages untouched.
+tensor-parallel shard), sized in bytes by the block's cache spec, which sessions take page by page
+as they grow and give back when they rewind, slide past their window or end. ``max_length`` only
+caps a session; it reserves nothing. A session is admitted when it could ever fit (what its kind
+holds of ``max_length``: a sliding window holds at most its window) and its first step's pages are
+free now, or as soon as a page is given back (pools wake admission; nothing polls); one that later
+finds no free page fails alone with a clear error (``OutOfPagesError``), its neighbours' pages untouched.
 
 What we announce follows Petals' unit: ``cache_tokens_left`` (and rpc_info's
 ``cache_tokens_available``) count keys and values separately and sum over blocks, i.e.
@@ -19,10 +21,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from petals.kv_cache import PAGE_TOKENS, BlockCache, PagePool
+from petals.kv_cache import PAGE_TOKENS, PagePool, SessionCache
 from petals.server.backend import BlockBackend
-
-ADMISSION_POLL_SECONDS = 0.05  # how often a session waiting for free pages looks again
 
 
 class AllocationFailed(RuntimeError):
@@ -41,6 +41,17 @@ class CacheBudget:
             backend.uid: backend.make_pools(num_pages, page_tokens) for backend in backends
         }
         self.num_pages, self.page_tokens = num_pages, page_tokens
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._freed = asyncio.Event()
+        for pools in self.pools.values():
+            for pool in pools:
+                pool.on_free.append(self._pages_freed)
+
+    def _pages_freed(self) -> None:
+        """A pool gave pages back (in any thread): wake the sessions waiting for admission."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._freed.set)
 
     @property
     def tokens_left(self) -> int:
@@ -73,25 +84,33 @@ class CacheBudget:
         timeout: float,
     ) -> None:
         """Check that a session could ever fit, and wait up to ``timeout`` s for its first step's pages."""
-        pages = -(-max_length // self.page_tokens) * batch_size
-        if pages > self.num_pages:
+        self._loop = asyncio.get_running_loop()
+        held = max(backend.tokens_held(max_length) for backend in backends)
+        if -(-held // self.page_tokens) * batch_size > self.num_pages:
             raise AllocationFailed(
-                f"this session needs {batch_size} × {max_length} tokens of KV cache per block but the server's "
+                f"this session needs {batch_size} × {held} tokens of KV cache per block but the server's "
                 f"whole budget is {self.num_pages * self.page_tokens} tokens per block; use a smaller max_length "
                 "or batch"
             )
         needed = -(-first_tokens // self.page_tokens) * batch_size
         deadline = time.monotonic() + timeout
-        while (free := min(self._free_pages(backend.uid) for backend in backends)) < needed:
-            if time.monotonic() >= deadline:
+        while True:
+            self._freed.clear()  # before looking: a page given back after this wakes the wait below
+            free = min(self._free_pages(backend.uid) for backend in backends)
+            if free >= needed:
+                return
+            if (remaining := deadline - time.monotonic()) <= 0:
                 raise AllocationFailed(
                     f"not enough KV cache: this session's first step needs {needed} pages of {self.page_tokens} "
                     f"tokens per block, {free} are free; try again later or another server"
                 )
-            await asyncio.sleep(ADMISSION_POLL_SECONDS)
+            try:
+                await asyncio.wait_for(self._freed.wait(), remaining)
+            except TimeoutError:
+                pass
 
     def open_caches(
         self, backends: Sequence[BlockBackend], batch_size: int, max_length: int
-    ) -> list[BlockCache]:
+    ) -> list[SessionCache]:
         """A session's caches on ``backends``' pools (they take pages as the session grows)."""
         return [backend.open_cache(self.pools[backend.uid], batch_size, max_length) for backend in backends]

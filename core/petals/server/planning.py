@@ -135,9 +135,9 @@ def choose_quant_type(
 
 def default_limits(config: PretrainedConfig) -> ModelLimits:
     """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA)."""
-    from petals.block import kv_cache_layout
+    from petals.block import cache_spec
 
-    return GROUPED_KV_LIMITS if kv_cache_layout(config).group_size > 1 else FULL_KV_LIMITS
+    return GROUPED_KV_LIMITS if getattr(cache_spec(config, 0), "group_size", 1) > 1 else FULL_KV_LIMITS
 
 
 def choose_limits(settings: ServerSettings, config: PretrainedConfig) -> dict[str, int]:
@@ -233,7 +233,7 @@ def plan_num_blocks(
     ``memory_bytes`` overrides the measured total. Capped at the model's number of blocks.
     ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose.
     """
-    from petals.block import kv_cache_layout
+    from petals.block import cache_spec
     from petals.convert import estimate_block_weight_bytes
 
     devices = [torch.device(d) for d in tensor_parallel_devices] or [torch.device(device)]
@@ -242,7 +242,10 @@ def plan_num_blocks(
     if memory_bytes is None:
         memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
     weights = estimate_block_weight_bytes(config, dtype, quant_type)
-    cache = attn_cache_tokens * kv_cache_layout(config).bytes_per_token(dtype)
+    # the largest block's cache: a pool of attn_cache_tokens tokens for every block, of its own kind
+    cache = attn_cache_tokens * max(
+        cache_spec(config, index).bytes_per_token(dtype) for index in range(config.num_hidden_layers)
+    )
     adapters = adapter_bytes_per_block(config, adapter_files)
     per_block = weights + cache + adapters
     autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
