@@ -16,7 +16,6 @@ from what transformers' layers cache (DeepSeek's latent attention) returns its o
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -197,19 +196,27 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
     return {"num_kv_heads": num_kv_heads, "key_dim": key_dim, "value_dim": value_dim, "num_query_heads": num_heads}
 
 
+# widths of ``attn_class``'s projections, per (class, config, layer type): a server asks once per
+# block, and a planner once per block of every candidate span
+_WIDTHS: dict[tuple, tuple[int, int] | None] = {}
+
+
 def _projection_widths(attn_class: type | None, config: PretrainedConfig, block_index: int) -> tuple[int, int] | None:
     """The output widths of ``attn_class``'s ``k_proj`` and ``v_proj``, built on the meta device (None
-    when it has no such projections)."""
+    when it has no such projections). Layers of one type share their widths, so each type is built once."""
     if attn_class is None:
         return None
-    return _built_widths(attn_class, config.to_json_string(use_diff=False), type(config), block_index)
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = layer_types[block_index] if layer_types is not None and block_index < len(layer_types) else None
+    key = (attn_class, type(config), config.to_json_string(use_diff=False), layer_type)
+    if key not in _WIDTHS:
+        if len(_WIDTHS) >= 256:
+            _WIDTHS.clear()
+        _WIDTHS[key] = _built_widths(attn_class, config, block_index)
+    return _WIDTHS[key]
 
 
-@functools.lru_cache(maxsize=256)
-def _built_widths(attn_class: type, config_json: str, config_class: type, block_index: int) -> tuple[int, int] | None:
-    import json
-
-    config = config_class.from_dict(json.loads(config_json))
+def _built_widths(attn_class: type, config: PretrainedConfig, block_index: int) -> tuple[int, int] | None:
     with torch.device("meta"):
         try:
             attention = attn_class(config, block_index)
