@@ -116,7 +116,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 @dataclass(frozen=True)
 class ChunkedAttentionSpec(SlidingWindowSpec):
-    """Attention within fixed chunks of ``window`` tokens (Llama 4): at most the last chunk is needed."""
+    """Attention within fixed chunks of ``window`` tokens: at most the last chunk is needed."""
 
     kind: ClassVar[str] = "chunked_attention"
 
