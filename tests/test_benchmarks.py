@@ -25,8 +25,9 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     # the six measurements of the suite's issue, the transport floor (g), the wide-area latency (h),
     # petals api's overhead (i), a private swarm's cost (p), speculative decoding (s), prompt tuning (t), the
-    # simulated swarm of 1,000 servers (w); (a) and (b) also at one torch thread everywhere
-    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "p", "s", "t", "w"]
+    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k); (a) and (b) also at one torch
+    # thread everywhere
+    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "p", "s", "t", "w"]
     for record in records:
         assert record["quick"] is True
         assert isinstance(record["ratio"], float) and record["ratio"] > 0
