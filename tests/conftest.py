@@ -56,7 +56,11 @@ def missing_from_session(session: pytest.Session) -> list[str]:
     uncollected test files."""
     picked = [arg for arg in session.config.args if "::" in arg]
     collected = {item.path for item in session.items}
-    files = [*ROOT.glob("tests/test_*.py"), *ROOT.glob("plugins/*/tests/test_*.py")]
+    files = [
+        *ROOT.glob("tests/test_*.py"),
+        *ROOT.glob("petals_*/tests/test_*.py"),
+        *ROOT.glob("plugins/*/tests/test_*.py"),
+    ]
     return (
         picked + DESELECTED + [str(path.relative_to(ROOT)) for path in sorted(files) if path not in collected]
     )
