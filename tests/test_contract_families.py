@@ -21,7 +21,13 @@ import transformers
 from petals import hookimpl
 from petals.block import RotaryBlockMixin
 from petals.config import DistributedConfigMixin
-from petals.kv_cache import ChunkedAttentionSpec, FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec
+from petals.kv_cache import (
+    ChunkedAttentionSpec,
+    FullAttentionSpec,
+    LinearAttentionSpec,
+    LinearAttentionState,
+    SlidingWindowSpec,
+)
 from petals.plugins import PluginManager, using_plugin_manager
 from petals.testing.conformance import check_family
 
@@ -176,4 +182,17 @@ def test_gpt_oss_blocks_run_the_eager_attention_transformers_picks_for_it(tmp_pa
         with pytest.raises(
             AssertionError, match="blocks: attention sdpa.*transformers' model: attention eager"
         ):
+            check_family(config, tmp_path)
+
+
+def test_the_kit_catches_a_linear_state_that_rewinds_without_restoring(tmp_path, monkeypatch):
+    """A fixed-size state cannot be truncated: moving its position back alone computes wrong tokens."""
+    config, classes = CASES["qwen3_next"]
+    manager = PluginManager()
+    manager.register(three_line_plugin(config, *classes)(), name="qwen3-next-forgetful-rewind")
+    monkeypatch.setattr(
+        LinearAttentionState, "rewind", lambda state, position: setattr(state, "length", position)
+    )
+    with using_plugin_manager(manager):
+        with pytest.raises(AssertionError, match="qwen3_next step replayed after rewind: max"):
             check_family(config, tmp_path)
