@@ -5,7 +5,9 @@ config with ``DistributedConfigMixin`` in front, ``class XBlock(RotaryBlockMixin
 rotary_class = XRotaryEmbedding``, ``block_prefix = "model.layers"``, ``attn_class``), run through the
 conformance kit on a tiny config that switches on what makes the family differ: layers that differ
 by index (first dense layers, experts from a start index or every other layer, no-rope layers),
-sliding and chunked windows, rotary embeddings per layer type, attention sinks (eager attention).
+sliding and chunked windows, rotary embeddings per layer type, attention sinks (eager attention),
+linear attention (a fixed-size state per sequence) between full-attention layers, experts every
+other layer.
 DeepSeek V3 adds one hook: its layers cache the latent (``kv_lora_rank`` + ``qk_rope_head_dim``
 values per token), which its ``cache_spec`` describes.
 """
@@ -19,7 +21,13 @@ import transformers
 from petals import hookimpl
 from petals.block import RotaryBlockMixin
 from petals.config import DistributedConfigMixin
-from petals.kv_cache import ChunkedAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from petals.kv_cache import (
+    ChunkedAttentionSpec,
+    FullAttentionSpec,
+    LinearAttentionSpec,
+    LinearAttentionState,
+    SlidingWindowSpec,
+)
 from petals.plugins import PluginManager, using_plugin_manager
 from petals.testing.conformance import check_family
 
@@ -32,12 +40,15 @@ SMALL = {
     "num_hidden_layers": 4,
 }
 MOSTLY_SLIDING = ["sliding_attention"] * 3 + ["full_attention"]
+MOSTLY_LINEAR = ["linear_attention"] * 3 + ["full_attention"]
 
 
 def three_line_plugin(config, module: str, layer: str, rotary: str, attention: str | None):
     """The documented minimal plugin for ``config``'s model type, built from transformers' own classes."""
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    block = type(layer, (RotaryBlockMixin, getattr(modeling, layer)), {"rotary_class": getattr(modeling, rotary)})
+    block = type(
+        layer, (RotaryBlockMixin, getattr(modeling, layer)), {"rotary_class": getattr(modeling, rotary)}
+    )
     config_class = type(
         f"Distributed{type(config).__name__}",
         (DistributedConfigMixin, type(config)),
@@ -123,6 +134,15 @@ CASES = {
         T.MistralConfig(**SMALL, sliding_window=6),
         ("mistral", "MistralDecoderLayer", "MistralRotaryEmbedding", "MistralAttention"),
     ),
+    "qwen3_next": (
+        T.Qwen3NextConfig(
+            **SMALL, head_dim=16, layer_types=MOSTLY_LINEAR, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            decoder_sparse_step=2,
+        ),
+        ("qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextRotaryEmbedding", "Qwen3NextAttention"),
+    ),
 }  # fmt: skip
 KINDS = {
     "llama4_text": [ChunkedAttentionSpec] * 3 + [FullAttentionSpec],
@@ -130,6 +150,7 @@ KINDS = {
     "olmo3": [SlidingWindowSpec] * 3 + [FullAttentionSpec],
     "gpt_oss": [SlidingWindowSpec, FullAttentionSpec] * 2,
     "mistral": [SlidingWindowSpec] * 4,
+    "qwen3_next": [LinearAttentionSpec] * 3 + [FullAttentionSpec],
 }
 
 
@@ -158,5 +179,20 @@ def test_gpt_oss_blocks_run_the_eager_attention_transformers_picks_for_it(tmp_pa
     with using_plugin_manager(manager):
         family = manager.family("gpt_oss")
         family.config_class.block_class.attn_implementation = "sdpa"
-        with pytest.raises(AssertionError, match="blocks: attention sdpa.*transformers' model: attention eager"):
+        with pytest.raises(
+            AssertionError, match="blocks: attention sdpa.*transformers' model: attention eager"
+        ):
+            check_family(config, tmp_path)
+
+
+def test_the_kit_catches_a_linear_state_that_rewinds_without_restoring(tmp_path, monkeypatch):
+    """A fixed-size state cannot be truncated: moving its position back alone computes wrong tokens."""
+    config, classes = CASES["qwen3_next"]
+    manager = PluginManager()
+    manager.register(three_line_plugin(config, *classes)(), name="qwen3-next-forgetful-rewind")
+    monkeypatch.setattr(
+        LinearAttentionState, "rewind", lambda state, position: setattr(state, "length", position)
+    )
+    with using_plugin_manager(manager):
+        with pytest.raises(AssertionError, match="qwen3_next step replayed after rewind: max"):
             check_family(config, tmp_path)

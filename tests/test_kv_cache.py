@@ -2,15 +2,19 @@
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Qwen3NextConfig
+from transformers import DeepseekV3Config, DynamicCache, Lfm2Config, Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.block import allocate_cache, cache_spec
 from petals.kv_cache import (
+    TOKENS_PER_SEQUENCE,
     AttentionCache,
     CacheOverflowError,
     FullAttentionSpec,
+    LinearAttentionSpec,
+    LinearAttentionState,
     PagePool,
     SlidingWindowCache,
     SlidingWindowSpec,
@@ -76,19 +80,125 @@ def test_each_layer_gets_its_own_kind_from_transformers():
 
 
 def test_a_kind_without_a_manager_is_refused_in_one_line():
-    config = Qwen3NextConfig(
+    config = Lfm2Config(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        layer_types=["conv", "conv", "full_attention", "conv"],
     )  # fmt: skip
-    assert describe_block(config, 0) == UnservedSpec("linear_attention")
-    assert isinstance(describe_block(config, 3), FullAttentionSpec)
-    with pytest.raises(UnservedCacheKindError, match="^block 0 is a linear attention layer, which petals-core") as error:
+    assert describe_block(config, 0) == UnservedSpec("conv")
+    assert isinstance(describe_block(config, 2), FullAttentionSpec)
+    with pytest.raises(UnservedCacheKindError, match="^block 0 is a conv layer, which petals-core") as error:
         open_cache(describe_block(config, 0), 1, 8)
     assert "\n" not in str(error.value)
 
 
+# Qwen3-Next: three gated delta net (linear attention) layers, then full attention
+HYBRID = Qwen3NextConfig(
+    hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+)  # fmt: skip
+
+
+def test_a_linear_attention_layer_keeps_the_state_it_allocates():
+    spec = describe_block(HYBRID, 1)
+    assert spec == LinearAttentionSpec(conv_dim=2 * 2 * 8 + 4 * 8, conv_kernel=4, recurrent_shape=(4, 8, 8))
+    assert isinstance(describe_block(HYBRID, 3), FullAttentionSpec)  # a hybrid's attention block stays paged
+    assert spec.bytes_per_token(torch.bfloat16) == 0 and spec.tokens_held(10_000) == 0
+    state = 64 * 4 * 2 + 4 * 8 * 8 * 4  # the conv inputs in the server's dtype, the recurrence in float32
+    assert spec.state_bytes(torch.bfloat16) == state
+    assert spec.bytes_per_sequence(torch.bfloat16) == (1 + spec.snapshots) * state
+    cache = open_cache(spec, 3, 100, torch.bfloat16, layer_index=1)
+    assert cache.nbytes == 3 * spec.bytes_per_sequence(torch.bfloat16) == cache.pool.nbytes
+    pool = LinearAttentionState.make_pool(spec, 4096, 16, torch.bfloat16, "cpu")  # a server's, as planned
+    assert pool.num_pages == 4096 // TOKENS_PER_SEQUENCE
+    assert pool.nbytes == spec.budget_bytes(4096, torch.bfloat16) == pool.num_pages * cache.pool.page_nbytes
+    layer, reference = _delta_net(1), DynamicCache(config=HYBRID)  # transformers' own cache, for comparison
+    hidden = torch.randn(3, 5, 32)
+    layer(hidden, cache=reference)
+    layer(hidden.to(torch.bfloat16).float(), cache=cache.view())
+    assert reference.layers[1].conv_states[0].shape[1:] == (spec.conv_dim, spec.conv_kernel)
+    assert reference.layers[1].recurrent_states[0].shape[1:] == spec.recurrent_shape
+    assert reference.layers[1].recurrent_states[0].dtype == spec.recurrent_dtype
+
+
+def _delta_net(layer_index: int = 0) -> Qwen3NextGatedDeltaNet:
+    torch.manual_seed(layer_index)
+    return Qwen3NextGatedDeltaNet(HYBRID, layer_index).eval()
+
+
+def _run(layer, states: list[LinearAttentionState], hidden: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return layer(hidden, cache=type(states[0]).merged(states))
+
+
+def test_linear_attention_states_of_sessions_at_different_positions_merge_into_one_forward():
+    layer, spec = _delta_net(), describe_block(HYBRID, 0)
+    pool = LinearAttentionState.make_pool(
+        spec, tokens=8 * 256, page_tokens=16, dtype=torch.float32, device="cpu"
+    )
+    solo = [open_cache(spec, batch, 64) for batch in (1, 2, 1)]
+    merged = [open_cache(spec, batch, 64, pool=pool) for batch in (1, 2, 1)]
+    assert pool.free_pages == pool.num_pages - 4
+    generator = torch.Generator().manual_seed(0)
+    prefills = [torch.randn(1, 6, 32, generator=generator), torch.randn(2, 2, 32, generator=generator)]
+    for index, prefill in enumerate(prefills):  # the third session starts at the merged steps
+        _run(layer, [solo[index]], prefill)
+        _run(layer, [merged[index]], prefill)
+    for _ in range(3):
+        steps = [torch.randn(batch, 1, 32, generator=generator) for batch in (1, 2, 1)]
+        expected = [_run(layer, [state], step) for state, step in zip(solo, steps, strict=True)]
+        got = _run(layer, merged, torch.cat(steps)).split([1, 2, 1])
+        for one, other in zip(expected, got, strict=True):
+            torch.testing.assert_close(other, one, rtol=0, atol=1e-6)
+    assert [state.position for state in merged] == [9, 5, 3]
+    for state in merged:
+        state.release()
+    assert pool.free_pages == pool.num_pages
+
+
+def test_a_linear_attention_state_rewinds_to_a_recent_step_exactly():
+    layer, spec = _delta_net(), describe_block(HYBRID, 0)
+    generator = torch.Generator().manual_seed(1)
+    steps = [torch.randn(2, length, 32, generator=generator) for length in (5, 1, 3, 1, 1, 1, 1, 2)]
+    state = open_cache(spec, 2, 64)
+    outputs = [_run(layer, [state], step) for step in steps]
+    assert state.position == 15
+    with pytest.raises(
+        ValueError, match="^cannot rewind to position 14: a linear-attention state goes back only to"
+    ):
+        state.rewind(14)  # inside the last, 2-token step: no state was ever computed there
+    state.rewind(11)  # the start of the sixth step: its snapshot is kept (those of the last 4 steps are)
+    assert state.position == 11
+    torch.testing.assert_close(_run(layer, [state], steps[5]), outputs[5], rtol=0, atol=0)
+    fresh = open_cache(spec, 2, 64)  # a fresh run to that point, as a failover server replays it: one prefill
+    _run(layer, [fresh], torch.cat(steps[:5], dim=1))
+    torch.testing.assert_close(_run(layer, [fresh], steps[5]), outputs[5], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"of one of its last 4 steps \(kept: 10, 11\)"):
+        state.rewind(9)  # further back than the snapshots kept
+    state.rewind(0)
+    torch.testing.assert_close(_run(layer, [state], steps[0]), outputs[0], rtol=0, atol=0)
+
+
+def test_a_linear_attention_state_reorders_beams_and_refuses_to_overflow():
+    layer, spec = _delta_net(), describe_block(HYBRID, 0)
+    hidden = torch.randn(2, 3, 32)
+    state, swapped = open_cache(spec, 2, 4), open_cache(spec, 2, 4)
+    _run(layer, [state], hidden)
+    _run(layer, [swapped], hidden.flip(0))
+    state.reorder(torch.tensor([1, 0]))
+    step = torch.randn(2, 1, 32)
+    torch.testing.assert_close(_run(layer, [state], step), _run(layer, [swapped], step), rtol=0, atol=1e-6)
+    with pytest.raises(CacheOverflowError, match="4 cached \\+ 1 new tokens > max_length 4"):
+        state.reserve(1)
+    state.release()
+    with pytest.raises(RuntimeError, match="released"):
+        state.reserve(0)
+
+
 def test_a_sliding_window_gives_back_the_pages_that_fell_out_of_it():
-    spec = SlidingWindowSpec(num_kv_heads=1, key_dim=2, value_dim=2, num_query_heads=1, window=8, rewind_margin=4)
+    spec = SlidingWindowSpec(
+        num_kv_heads=1, key_dim=2, value_dim=2, num_query_heads=1, window=8, rewind_margin=4
+    )
     pool = PagePool(spec, num_pages=64, page_tokens=4)
     cache = open_cache(spec, 1, 1000, pool=pool)
     assert isinstance(cache, SlidingWindowCache)
@@ -154,5 +264,7 @@ def test_config_kv_attributes_decide_what_servers_allocate(tmp_path):
     config = AutoDistributedConfig.from_pretrained(tmp_path)
     assert cache_spec(config, 0).num_kv_heads == 2
     wider = WiderCacheLlamaConfig.from_pretrained(tmp_path, dht_prefix="wider")
-    assert cache_spec(wider, 0) == FullAttentionSpec(num_kv_heads=4, key_dim=16, value_dim=16, num_query_heads=4)
+    assert cache_spec(wider, 0) == FullAttentionSpec(
+        num_kv_heads=4, key_dim=16, value_dim=16, num_query_heads=4
+    )
     assert allocate_cache(wider, 1, 8).nbytes == 8 * 2 * 4 * 16 * 4

@@ -24,10 +24,11 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import (
     create_causal_mask,
     create_chunked_causal_mask,
+    create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
 )
 
-from petals.kv_cache import AttentionCache, CacheSpec, PagedCache, open_cache
+from petals.kv_cache import CacheSpec, PagedCache, SessionCache, open_cache
 from petals.kv_cache.specs import layer_kind
 
 # per compute thread: what the previous block computed for its step, {name: (key, value)}
@@ -35,7 +36,9 @@ _STEP_VALUES = threading.local()
 _MASK_FUNCTIONS = {
     "sliding_attention": create_sliding_window_causal_mask,
     "chunked_attention": create_chunked_causal_mask,
+    "linear_attention": create_recurrent_attention_mask,  # padding rows only: a state has no positions
 }
+_WINDOWED = ("sliding_attention", "chunked_attention")
 
 
 class ServerBlockMixin:
@@ -136,7 +139,7 @@ class ServerBlockMixin:
     @property
     def uses_sliding_window(self) -> bool:
         """Whether this layer attends within a window (sliding or chunked), not to every earlier token."""
-        return self.layer_type in _MASK_FUNCTIONS
+        return self.layer_type in _WINDOWED
 
     def causal_mask(
         self, hidden_states: torch.Tensor, cache: PagedCache | None, position_ids: torch.LongTensor, **kwargs
@@ -254,7 +257,7 @@ def allocate_cache(
     device: torch.device | str = "cpu",
     *,
     block_index: int = 0,
-) -> AttentionCache:
+) -> SessionCache:
     """A standalone cache for block ``block_index`` of one session, holding all of ``max_length`` up front."""
     spec = cache_spec(config, block_index)
     return open_cache(spec, batch_size, max_length, dtype, device, layer_index=block_index)

@@ -9,11 +9,14 @@ engine, the sessions and tensor-parallel shards use without asking which kind th
 * ``position``, ``nbytes``; ``reserve(new_tokens)`` before a step, ``rewind(position)``,
   ``reorder(hypo_ids)``, ``release()``;
 * ``merged(caches)`` / ``view()``: the transformers ``Cache`` a block's forward is given, over one
-  or several sessions' rows (``PagedCache``), answering for the block's own layer index.
+  or several sessions' rows (``PagedCache``, ``StateCache``), answering for the block's own layer index;
+* ``make_pool(spec, tokens, page_tokens, dtype, device)``: a block's memory for its sessions, sized
+  from the server's per-block token budget.
 
 Attention kinds keep keys and values in fixed-size pages from one ``PagePool`` per block, taken as
 sessions grow and given back when they rewind, slide past their window or end, so memory is held
-for the tokens a kind keeps, not for ``max_length``.
+for the tokens a kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
+a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``).
 """
 
 from __future__ import annotations
@@ -26,25 +29,31 @@ from petals.kv_cache.attention import (
     AttentionCache,
     PagedCache,
     PagedLayer,
+    RowsCache,
     SlidingWindowCache,
     check_hypo_ids,
 )
 from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, OutOfPagesError, PagePool
 from petals.kv_cache.specs import (
     REWIND_MARGIN,
+    REWIND_STEPS,
+    TOKENS_PER_SEQUENCE,
     CacheSpec,
     ChunkedAttentionSpec,
     FullAttentionSpec,
+    LinearAttentionSpec,
     SlidingWindowSpec,
     UnservedSpec,
     describe_block,
 )
+from petals.kv_cache.states import LinearAttentionState, StateCache, StatePool
 
 # the manager of each kind (exact spec type): adding a kind is a spec, a manager and a row here
-MANAGERS: dict[type[CacheSpec], type[AttentionCache]] = {
+MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState]] = {
     FullAttentionSpec: AttentionCache,
     SlidingWindowSpec: SlidingWindowCache,
     ChunkedAttentionSpec: SlidingWindowCache,
+    LinearAttentionSpec: LinearAttentionState,
 }
 
 
@@ -66,7 +75,7 @@ class SessionCache(Protocol):
     def view(self): ...
 
 
-def manager_for(spec: CacheSpec, block: str = "this block") -> type[AttentionCache]:
+def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache]:
     """The manager class of ``spec``'s kind, or one line saying the kind is not served."""
     manager = MANAGERS.get(type(spec))
     if manager is None:
@@ -85,9 +94,9 @@ def open_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    pool: PagePool | None = None,
+    pool: PagePool | StatePool | None = None,
     layer_index: int = 0,
-) -> AttentionCache:
+) -> SessionCache:
     """One session's cache of a block of kind ``spec``: on ``pool``, or standalone (all of ``max_length``
     up front: tests and measurements)."""
     manager = manager_for(spec, f"block {layer_index}")
@@ -100,18 +109,25 @@ __all__ = [
     "MANAGERS",
     "PAGE_TOKENS",
     "REWIND_MARGIN",
+    "REWIND_STEPS",
+    "TOKENS_PER_SEQUENCE",
     "AttentionCache",
     "CacheOverflowError",
     "CacheSpec",
     "ChunkedAttentionSpec",
     "FullAttentionSpec",
+    "LinearAttentionSpec",
+    "LinearAttentionState",
     "OutOfPagesError",
     "PagePool",
     "PagedCache",
     "PagedLayer",
+    "RowsCache",
     "SessionCache",
     "SlidingWindowCache",
     "SlidingWindowSpec",
+    "StateCache",
+    "StatePool",
     "UnservedCacheKindError",
     "UnservedSpec",
     "check_hypo_ids",

@@ -67,6 +67,18 @@ class AttentionCache:
         """A session's cache on a block's shared pool: it takes pages as it grows."""
         return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
 
+    @classmethod
+    def make_pool(
+        cls,
+        spec: FullAttentionSpec,
+        tokens: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagePool:
+        """A block's pool for ``tokens`` tokens of this kind, shared by its sessions."""
+        return PagePool(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
+
     @staticmethod
     def merged(caches: Sequence[AttentionCache]) -> PagedCache:
         """One transformers ``Cache`` over all rows of ``caches`` (sessions on the same block), for one forward."""
@@ -340,7 +352,7 @@ class _AtLayerIndex(Sequence):
 
     _NOTHING = DummyLayer()
 
-    def __init__(self, index: int, layer: PagedLayer) -> None:
+    def __init__(self, index: int, layer) -> None:
         self.index, self.layer = index, layer
 
     def __len__(self) -> int:
@@ -358,57 +370,67 @@ class _AtLayerIndex(Sequence):
         raise IndexError(index)
 
 
-class PagedCache(Cache):
-    """Several sessions' caches of one block, for one batched forward (their rows, in order).
+class RowsCache(Cache):
+    """The transformers ``Cache`` of one block over the rows of several sessions' caches (``members``,
+    each with a ``length`` and ``num_sequences``), answering for the block's layer index with ``layer``.
 
-    Rows may sit at different positions: keys are left-padded to the longest row, so a block
-    builds its masks from ``attention_mask`` and its positions from ``position_ids``.
+    Rows may sit at different positions: a block takes each row's positions from ``position_ids`` and
+    its padding from ``attention_mask`` (keys are left-padded to the longest row).
     """
 
-    def __init__(self, members: Sequence[AttentionCache]) -> None:
-        layer = PagedLayer(members)
-        self.layer_index = members[0].layer_index
+    def __init__(self, members: Sequence, layer) -> None:
+        self.members = list(members)
+        self.layer_index = self.members[0].layer_index
         super().__init__(layers=_AtLayerIndex(self.layer_index, layer))
         self.layer = layer
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layer.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layer.get_mask_sizes(query_length)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
-        if layer_idx != self.layer_index:
-            raise ValueError(f"layer {layer_idx} wrote into the cache of block {self.layer_index}")
-        return self.layer.update(key_states, value_states, *args, **kwargs)
+        return max(member.length for member in self.members)
 
     def _row_lengths(self, device: torch.device | str) -> torch.Tensor:
-        lengths = [member.length for member in self.layer.members for _ in range(member.num_sequences)]
+        lengths = [member.length for member in self.members for _ in range(member.num_sequences)]
         return torch.tensor(lengths, device=device)
 
     @property
     def rows_aligned(self) -> bool:
         """Whether every row has cached as many tokens (no row is padded)."""
-        members = self.layer.members
-        return all(member.length == members[0].length for member in members)
+        return all(member.length == self.members[0].length for member in self.members)
 
     def row_positions(self) -> tuple[tuple[int, int], ...]:
         """``(cached tokens, rows)`` of each member (session), in order: where this step's rows start."""
-        return tuple((member.length, member.num_sequences) for member in self.layer.members)
+        return tuple((member.length, member.num_sequences) for member in self.members)
 
     def position_ids(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
         """``[rows, query_length]``: each row's positions of the step's tokens."""
         if self.rows_aligned:  # the common case, one session: no per-row tensor to build
-            start = self.layer.members[0].length
-            rows = sum(member.num_sequences for member in self.layer.members)
+            start = self.members[0].length
+            rows = sum(member.num_sequences for member in self.members)
             return torch.arange(start, start + query_length, device=device).expand(rows, query_length)
         return self._row_lengths(device)[:, None] + torch.arange(query_length, device=device)
 
     def attention_mask(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
         """``[rows, cached + query_length]`` (the longest row's): 1 for a key of the row, 0 for padding."""
         lengths = self._row_lengths(device)
-        slots = torch.arange(self.layer.get_seq_length() + query_length, device=device)
-        return (slots >= self.layer.get_seq_length() - lengths[:, None]).long()
+        longest = self.get_seq_length()
+        slots = torch.arange(longest + query_length, device=device)
+        return (slots >= longest - lengths[:, None]).long()
+
+
+class PagedCache(RowsCache):
+    """Several sessions' attention caches of one block, for one batched forward (their rows, in order)."""
+
+    def __init__(self, members: Sequence[AttentionCache]) -> None:
+        super().__init__(members, PagedLayer(members))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layer.get_mask_sizes(query_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int = 0, *args, **kwargs
+    ):
+        if layer_idx != self.layer_index:
+            raise ValueError(f"layer {layer_idx} wrote into the cache of block {self.layer_index}")
+        return self.layer.update(key_states, value_states, *args, **kwargs)
 
 
 def check_hypo_ids(hypo_ids: torch.Tensor, num_sequences: int) -> None:

@@ -63,6 +63,10 @@ class PagePool:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    @property
+    def unit(self) -> str:
+        return f"pages of {self.page_tokens} tokens"
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
 

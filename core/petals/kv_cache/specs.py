@@ -25,6 +25,13 @@ from transformers import PretrainedConfig
 # a sliding-window cache keeps this many tokens beyond its window, so that a client can roll back
 # (speculative decoding) that far; a larger rewind is refused with a one-line error
 REWIND_MARGIN = 64
+# a linear-attention state keeps a snapshot of itself before each of its last this many steps, so that a
+# client can roll back that many steps (not REWIND_MARGIN's worth: each snapshot is a whole state, as
+# large as hundreds of tokens of keys and values; see ``petals.kv_cache.states``)
+REWIND_STEPS = 4
+# a block of fixed-size states holds one sequence per this many tokens of the server's per-block budget:
+# a state of Qwen3-Next-80B (2.1 MiB, snapshots aside) is worth 1000 of its tokens of keys and values
+TOKENS_PER_SEQUENCE = 256
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,14 @@ class CacheSpec:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one cached token of one sequence takes (0 for a fixed-size state)."""
         return 0
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        """Bytes one sequence takes whatever its length (0 for attention, whose cost is per token)."""
+        return 0
+
+    def budget_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes a block of this kind keeps for a budget of ``tokens`` tokens (what a server plans for)."""
+        return tokens * self.bytes_per_token(dtype)
 
     def tokens_held(self, length: int) -> int:
         """The most tokens a sequence of ``length`` tokens ever holds in this cache."""
@@ -64,7 +79,9 @@ class FullAttentionSpec(CacheSpec):
         if min(self.num_kv_heads, self.key_dim, self.value_dim, self.num_query_heads) <= 0:
             raise ValueError(f"invalid cache spec {self}")
         if self.num_query_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_query_heads} query heads do not split into {self.num_kv_heads} groups")
+            raise ValueError(
+                f"{self.num_query_heads} query heads do not split into {self.num_kv_heads} groups"
+            )
 
     @property
     def group_size(self) -> int:
@@ -122,6 +139,45 @@ class ChunkedAttentionSpec(SlidingWindowSpec):
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec(CacheSpec):
+    """A fixed-size state per sequence, whatever its length (gated delta net, Mamba-like layers): the
+    last ``conv_kernel`` inputs of a ``conv_dim``-channel causal convolution, kept in the server's dtype,
+    and a recurrent state of ``recurrent_shape``, kept in ``recurrent_dtype`` (the layers compute it in
+    float32); plus ``snapshots`` copies of both, taken before each of the last steps, for rollback."""
+
+    conv_dim: int
+    conv_kernel: int
+    recurrent_shape: tuple[int, ...]
+    recurrent_dtype: torch.dtype = torch.float32
+    snapshots: int = REWIND_STEPS
+    kind: ClassVar[str] = "linear_attention"
+
+    def __post_init__(self) -> None:
+        if min(self.conv_dim, self.conv_kernel, *self.recurrent_shape) <= 0 or self.snapshots < 0:
+            raise ValueError(f"invalid cache spec {self}")
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one state (conv and recurrent) of one sequence."""
+        recurrent = self.recurrent_dtype.itemsize
+        for size in self.recurrent_shape:
+            recurrent *= size
+        return self.conv_dim * self.conv_kernel * dtype.itemsize + recurrent
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return (1 + self.snapshots) * self.state_bytes(dtype)
+
+    def sequences(self, tokens: int) -> int:
+        """How many sequences a block keeps for a budget of ``tokens`` tokens."""
+        return max(1, tokens // TOKENS_PER_SEQUENCE)
+
+    def budget_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        return self.sequences(tokens) * self.bytes_per_sequence(dtype)
+
+    def tokens_held(self, length: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class UnservedSpec(CacheSpec):
     """A layer kind petals-core describes but has no manager for yet (a server refuses it in one line)."""
 
@@ -135,6 +191,8 @@ class UnservedSpec(CacheSpec):
 def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
     """Core's default ``cache_spec``: transformers' kind for this layer, sized from the config."""
     layer_type, kwargs = layer_kind(config, block_index)
+    if layer_type == "linear_attention" and all(hasattr(config, name) for name in _GATED_DELTA_NET):
+        return gated_delta_net_spec(config)
     if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
         return UnservedSpec(layer_type)
     sizes = attention_sizes(config, block_index)
@@ -142,6 +200,34 @@ def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
         return FullAttentionSpec(**sizes)
     kind = SlidingWindowSpec if layer_type == "sliding_attention" else ChunkedAttentionSpec
     return kind(**sizes, window=kwargs["sliding_window"])
+
+
+# the config fields of transformers' gated delta net layers (Qwen3-Next, Qwen3.5, ...); other linear
+# layers (Mamba's, say) name their sizes otherwise and stay unserved until described
+_GATED_DELTA_NET = (
+    "linear_conv_kernel_dim",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+)
+
+
+def gated_delta_net_spec(config: PretrainedConfig) -> LinearAttentionSpec:
+    """The state of a gated delta net layer, as it allocates it: a causal convolution over the queries,
+    keys (``num_key_heads x key_head_dim`` each) and values (``num_value_heads x value_head_dim``), and
+    a recurrent ``key_head_dim x value_head_dim`` matrix per value head."""
+    keys = config.linear_num_key_heads * config.linear_key_head_dim
+    values = config.linear_num_value_heads * config.linear_value_head_dim
+    return LinearAttentionSpec(
+        conv_dim=2 * keys + values,
+        conv_kernel=config.linear_conv_kernel_dim,
+        recurrent_shape=(
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        ),
+    )
 
 
 def layer_kind(config: PretrainedConfig, block_index: int) -> tuple[str, dict]:
@@ -193,7 +279,12 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
     widths = _projection_widths(getattr(type(config), "attn_class", None), config, block_index)
     if widths is not None:
         key_dim, value_dim = widths[0] // num_kv_heads, widths[1] // num_kv_heads
-    return {"num_kv_heads": num_kv_heads, "key_dim": key_dim, "value_dim": value_dim, "num_query_heads": num_heads}
+    return {
+        "num_kv_heads": num_kv_heads,
+        "key_dim": key_dim,
+        "value_dim": value_dim,
+        "num_query_heads": num_heads,
+    }
 
 
 # widths of ``attn_class``'s projections, per (class, config, layer type): a server asks once per
@@ -201,13 +292,17 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
 _WIDTHS: dict[tuple, tuple[int, int] | None] = {}
 
 
-def _projection_widths(attn_class: type | None, config: PretrainedConfig, block_index: int) -> tuple[int, int] | None:
+def _projection_widths(
+    attn_class: type | None, config: PretrainedConfig, block_index: int
+) -> tuple[int, int] | None:
     """The output widths of ``attn_class``'s ``k_proj`` and ``v_proj``, built on the meta device (None
     when it has no such projections). Layers of one type share their widths, so each type is built once."""
     if attn_class is None:
         return None
     layer_types = getattr(config, "layer_types", None)
-    layer_type = layer_types[block_index] if layer_types is not None and block_index < len(layer_types) else None
+    layer_type = (
+        layer_types[block_index] if layer_types is not None and block_index < len(layer_types) else None
+    )
     key = (attn_class, type(config), config.to_json_string(use_diff=False), layer_type)
     if key not in _WIDTHS:
         if len(_WIDTHS) >= 256:

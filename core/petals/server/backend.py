@@ -8,7 +8,8 @@ back to CPU in the server's dtype. Deep prompts ``[B|1, pre_len, H]`` are added 
 A block's module is what ``petals.convert.convert_block`` made of it: plain, quantized, with LoRA
 adapters (a request's ``active_adapter`` picks one: ``with_adapter``), or a ``TensorParallelBlock``
 whose sessions hold one cache per shard. Sessions' caches take pages from the block's pools
-(``make_pools``: one, or one per shard), which the server's ``CacheBudget`` owns.
+(``make_pools``: one, or one per shard; sequence states for linear attention), which the server's
+``CacheBudget`` owns.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers import PretrainedConfig
 
 from petals.block import cache_spec
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
-from petals.kv_cache import CacheSpec, PagedCache, PagePool, SessionCache, manager_for, open_cache
+from petals.kv_cache import CacheSpec, PagedCache, PagePool, SessionCache, StatePool, manager_for, open_cache
 
 
 @dataclass(frozen=True)
@@ -154,14 +155,15 @@ class BlockBackend:
         ]
         return ShardedCache(caches) if self.sharded else caches[0]
 
-    def make_pools(self, num_pages: int, page_tokens: int) -> list[PagePool]:
-        """The page pools this block's sessions share (one per tensor-parallel shard)."""
+    def make_pools(self, tokens: int, page_tokens: int) -> list[PagePool | StatePool]:
+        """The pools this block's sessions share (one per tensor-parallel shard), each of its kind's making
+        for a budget of ``tokens`` tokens: pages of ``page_tokens`` tokens, or sequence states."""
         return [
-            PagePool(spec, num_pages, page_tokens, self.dtype, device)
+            manager_for(spec).make_pool(spec, tokens, page_tokens, self.dtype, device)
             for spec, device in zip(self.shard_specs, self.devices, strict=True)
         ]
 
-    def open_cache(self, pools: list[PagePool], batch_size: int, max_length: int) -> SessionCache:
+    def open_cache(self, pools: list[PagePool | StatePool], batch_size: int, max_length: int) -> SessionCache:
         """A session's cache on ``pools`` (from ``make_pools``): it takes pages as it grows."""
         caches = [
             open_cache(pool.spec, batch_size, max_length, pool=pool, layer_index=self.index) for pool in pools

@@ -227,7 +227,8 @@ def plan_num_blocks(
     """How many blocks fit in device memory, and the arithmetic behind it (also logged).
 
     Per block: weights after quantization + a KV cache of ``attn_cache_tokens`` tokens (exact
-    key/value heads, so grouped-query attention counts) + LoRA adapters. Reserved once: 2 GiB per
+    key/value heads, so grouped-query attention counts; a linear-attention block's states for as many
+    sequences as its kind keeps for that budget) + LoRA adapters. Reserved once: 2 GiB per
     device for autograd, scaled by hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
     With tensor parallelism the devices' memories add up (counted as ``n * min``).
     ``memory_bytes`` overrides the measured total. Capped at the model's number of blocks.
@@ -243,8 +244,9 @@ def plan_num_blocks(
         memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
     weights = estimate_block_weight_bytes(config, dtype, quant_type)
     # the largest block's cache: a pool of attn_cache_tokens tokens for every block, of its own kind
-    cache = attn_cache_tokens * max(
-        cache_spec(config, index).bytes_per_token(dtype) for index in range(config.num_hidden_layers)
+    cache = max(
+        cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype)
+        for index in range(config.num_hidden_layers)
     )
     adapters = adapter_bytes_per_block(config, adapter_files)
     per_block = weights + cache + adapters

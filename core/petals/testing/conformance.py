@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from petals.auto import AutoDistributedConfig
 from petals.block import cache_spec
 from petals.config import DistributedConfigMixin, validate_dht_prefix
-from petals.kv_cache import PAGE_TOKENS, CacheSpec, PagePool, SlidingWindowSpec, manager_for, open_cache
+from petals.kv_cache import PAGE_TOKENS, CacheSpec, SlidingWindowSpec, manager_for, open_cache
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -147,7 +147,8 @@ def _kit_spec(spec: CacheSpec) -> CacheSpec:
 
 def _open_caches(specs: list[CacheSpec], batch_size: int, max_length: int, **kwargs) -> list:
     return [
-        open_cache(spec, batch_size, max_length, layer_index=index, **kwargs) for index, spec in enumerate(specs)
+        open_cache(spec, batch_size, max_length, layer_index=index, **kwargs)
+        for index, spec in enumerate(specs)
     ]
 
 
@@ -257,18 +258,22 @@ def _check_exactness(
 
 
 def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) -> None:
-    """Each cache holds what its kind keeps: its spec's bytes per token, no more tokens than it keeps."""
+    """Each cache holds what its kind keeps: its spec's bytes per token and per sequence, for no more
+    tokens than it keeps (a pool's page is a page of tokens, or one sequence's state)."""
+    dtype = torch.float32
     for index, (spec, cache) in enumerate(zip(specs, caches, strict=True)):
-        pool = cache.pool
-        assert pool.page_nbytes == pool.page_tokens * spec.bytes_per_token(pool.keys.dtype), (
-            f"{config.model_type} block {index}: a page holds {pool.page_nbytes} bytes, its spec says "
-            f"{pool.page_tokens} × {spec.bytes_per_token(pool.keys.dtype)}"
+        pool, name = cache.pool, f"{config.model_type} block {index} ({spec.describe()})"
+        page = pool.page_tokens * spec.bytes_per_token(dtype) + spec.bytes_per_sequence(dtype)
+        assert pool.page_nbytes == page and pool.nbytes == pool.num_pages * page, (
+            f"{name}: its pool holds {pool.nbytes} bytes in {pool.num_pages} pages of {pool.page_nbytes}; its spec "
+            f"says pages of {page} bytes"
         )
-        pages_per_row = cache.pages_held // cache.num_sequences
-        most = pool.pages_for(spec.tokens_held(cache.position)) + 1
-        assert pages_per_row <= most, (
-            f"{config.model_type} block {index} ({spec.describe()}): holds {pages_per_row} pages per sequence "
-            f"after {cache.position} tokens; its kind keeps at most {most}"
+        tokens = pool.pages_for(spec.tokens_held(cache.position)) * pool.page_tokens + pool.page_tokens
+        most = spec.bytes_per_sequence(dtype) + tokens * spec.bytes_per_token(dtype)
+        per_sequence = cache.nbytes // cache.num_sequences
+        assert per_sequence <= most, (
+            f"{name}: holds {per_sequence} bytes per sequence after {cache.position} tokens; its kind keeps at most "
+            f"{most}"
         )
 
 
@@ -315,10 +320,17 @@ def _check_merged_sessions(
             caches = _open_caches(specs, batch_size, max_length)
             solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
 
-        pools = [PagePool(spec, num_pages=40, page_tokens=3) for spec in specs]  # steps cross page edges
+        # small pages (steps cross page edges), room for every session's sequences of every kind
+        pools = [manager_for(spec).make_pool(spec, 2048, 3, torch.float32, "cpu") for spec in specs]
         caches = [
             [
-                open_cache(pool.spec, next(iter(steps.values())).hidden.shape[0], max_length, pool=pool, layer_index=i)
+                open_cache(
+                    pool.spec,
+                    next(iter(steps.values())).hidden.shape[0],
+                    max_length,
+                    pool=pool,
+                    layer_index=i,
+                )
                 for i, pool in enumerate(pools)
             ]
             for steps in sessions
@@ -330,7 +342,7 @@ def _check_merged_sessions(
                 group = [index for index in running if sessions[index][tick].hidden.shape[1] == length]
                 outputs = _run_step(blocks, [caches[i] for i in group], [sessions[i][tick] for i in group])
                 for index, output in zip(
-                    group, outputs.split([len(caches[i][0].tables) for i in group]), strict=True
+                    group, outputs.split([caches[i][0].num_sequences for i in group]), strict=True
                 ):
                     diff = (output - solo[index][tick]).abs().max().item()
                     worst = max(worst, diff)
@@ -345,9 +357,7 @@ def _check_merged_sessions(
         assert all(pool.free_pages == pool.num_pages for pool in pools), "released caches kept pages"
 
 
-def _run_step(
-    blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]
-) -> torch.Tensor:
+def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
     """One step of each session (the same number of new tokens), all in one forward per block."""
     for caches, step in zip(session_caches, steps, strict=True):
         for cache in caches:
