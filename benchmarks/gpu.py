@@ -746,7 +746,9 @@ def memory(check: GpuCheck) -> dict[str, Any]:
     config = AutoDistributedConfig.from_pretrained(path)
     used = device_memory_by_pid()
     cache_tokens = default_limits(config).attn_cache_tokens
-    largest = max(cache_spec(config, index).bytes_per_token(ctx.dtype) for index in range(config.num_hidden_layers))
+    largest = max(
+        cache_spec(config, index).bytes_per_token(ctx.dtype) for index in range(config.num_hidden_layers)
+    )
     cache_per_block = largest * cache_tokens
     servers = {}
     for server, blocks in zip(swarm.servers, block_ranges(ctx.num_blocks(MODEL), check.servers), strict=True):

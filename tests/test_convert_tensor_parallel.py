@@ -17,9 +17,7 @@ DEVICES = ["cpu", "cpu"]
 def shard_caches(config, batch_size, max_length, block_index=1):
     """One standalone cache per shard, each holding its share of the block's key/value heads."""
     spec = cache_spec(config, block_index).sharded(len(DEVICES))
-    return ShardedCache(
-        open_cache(spec, batch_size, max_length, layer_index=block_index) for _ in DEVICES
-    )
+    return ShardedCache(open_cache(spec, batch_size, max_length, layer_index=block_index) for _ in DEVICES)
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_CONFIGS))
@@ -35,7 +33,9 @@ def test_sharded_block_equals_whole_block(tiny_model_path, variant):
     with torch.no_grad():
         for length in [5, 1, 1, 3]:  # prefill, then cached steps
             hidden = torch.randn(2, length, block.config.hidden_size)
-            torch.testing.assert_close(sharded(hidden, shards.view()), block(hidden, cache.view()), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                sharded(hidden, shards.view()), block(hidden, cache.view()), atol=1e-5, rtol=0
+            )
 
     hidden = torch.randn(2, 5, block.config.hidden_size, requires_grad=True)
     weights = torch.randn(2, 5, block.config.hidden_size)
@@ -79,7 +79,8 @@ def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_pa
     spec = cache_spec(block.config, 1).sharded(len(DEVICES))
     pools = [PagePool(spec, num_pages=16, page_tokens=4) for _ in DEVICES]
     sessions = [
-        ShardedCache(open_cache(spec, batch, 16, pool=pool, layer_index=1) for pool in pools) for batch in (1, 2)
+        ShardedCache(open_cache(spec, batch, 16, pool=pool, layer_index=1) for pool in pools)
+        for batch in (1, 2)
     ]
     solo = [allocate_cache(block.config, batch, 16, block_index=1) for batch in (1, 2)]
     torch.manual_seed(0)

@@ -32,9 +32,9 @@ def llama_config(tiny_model_path):
 
 
 def test_plan_divides_free_memory_by_the_cost_of_a_block(llama_config):
-    per_block = estimate_block_weight_bytes(llama_config, torch.float32) + 1000 * cache_spec(llama_config, 0).bytes_per_token(
-        torch.float32
-    )
+    per_block = estimate_block_weight_bytes(llama_config, torch.float32) + 1000 * cache_spec(
+        llama_config, 0
+    ).bytes_per_token(torch.float32)
     autograd = int(2 * GiB / 14336 * llama_config.hidden_size)
     num_blocks, explanation = plan_num_blocks(
         llama_config, "cpu", torch.float32, attn_cache_tokens=1000, memory_bytes=autograd + 3 * per_block + 1

@@ -153,7 +153,9 @@ def projection_attention_rules(
     rules = {
         rf".*{attention}\.q_proj\.(weight|bias)$": SplitInChunks(world_size, dim=0, chunk_size=queries),
         rf".*{attention}\.k_proj\.(weight|bias)$": SplitInChunks(world_size, dim=0, chunk_size=spec.key_dim),
-        rf".*{attention}\.v_proj\.(weight|bias)$": SplitInChunks(world_size, dim=0, chunk_size=spec.value_dim),
+        rf".*{attention}\.v_proj\.(weight|bias)$": SplitInChunks(
+            world_size, dim=0, chunk_size=spec.value_dim
+        ),
         rf".*{attention}\.o_proj\.weight$": SplitInChunks(
             world_size, dim=1, chunk_size=spec.group_size * spec.value_dim
         ),
