@@ -202,13 +202,16 @@ def test_a_sliding_window_gives_back_the_pages_that_fell_out_of_it():
     pool = PagePool(spec, num_pages=64, page_tokens=4)
     cache = open_cache(spec, 1, 1000, pool=pool)
     assert isinstance(cache, SlidingWindowCache)
+    peak = 0
     for step in range(200):
         keys = torch.full((1, 1, 1, 2), float(step))
         got_keys, _ = cache.view().update(keys, keys, 0)
         # what the step attends: its window (the last 7 cached tokens and itself), as transformers hands it
         visible = got_keys[0, 0, :, 0].tolist()
         assert visible[-min(step + 1, 8) :] == [float(p) for p in range(max(0, step - 7), step + 1)]
-        assert cache.pages_held <= pool.pages_for(spec.tokens_kept) + 1
+        peak = max(peak, cache.pages_held)
+    # what admission counts for a session of 1000 tokens: the kept tokens span one page more than they fill
+    assert peak == pool.max_pages(1000) == pool.pages_for(spec.tokens_kept) + 1
     assert pool.free_pages == pool.num_pages - cache.pages_held
     cache.rewind(199 - 4)  # the margin allows rolling back 4 tokens
     with pytest.raises(ValueError, match="cannot rewind to position 150: this sliding-window cache keeps"):

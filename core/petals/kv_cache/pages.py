@@ -70,6 +70,12 @@ class PagePool:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
 
+    def max_pages(self, length: int) -> int:
+        """The most pages one sequence of ``length`` tokens ever holds: a kind that keeps only its last
+        tokens (a sliding window) holds them from any offset in a page, so one page more than they fill."""
+        held = self.spec.tokens_held(length)
+        return self.pages_for(held) + (held < length)
+
     def take(self, count: int) -> list[int]:
         with self.lock:
             if count > len(self._free):

@@ -96,6 +96,9 @@ class StatePool:
         """A sequence takes one slot, whatever its length."""
         return 1
 
+    def max_pages(self, length: int) -> int:
+        return 1
+
     def take(self, count: int) -> list[int]:
         with self.lock:
             if count > len(self._free):

@@ -87,10 +87,12 @@ class CacheBudget:
         self._loop = asyncio.get_running_loop()
         for backend in backends:
             for pool in self.pools[backend.uid]:
-                held = backend.tokens_held(max_length)
-                if pool.pages_for(held) * batch_size > pool.num_pages:
+                # the most it ever holds, or its first step, taken whole before a window drops anything
+                held = max(backend.tokens_held(max_length), first_tokens)
+                pages = max(pool.max_pages(max_length), pool.pages_for(first_tokens))
+                if pages * batch_size > pool.num_pages:
                     raise AllocationFailed(
-                        f"this session needs {batch_size} × {pool.pages_for(held)} {pool.unit} of cache in block "
+                        f"this session needs {batch_size} × {pages} {pool.unit} of cache in block "
                         f"{backend.index} ({batch_size} × {held} tokens) but the server's whole budget is "
                         f"{pool.num_pages}; use a smaller max_length or batch"
                     )

@@ -268,7 +268,7 @@ def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) 
             f"{name}: its pool holds {pool.nbytes} bytes in {pool.num_pages} pages of {pool.page_nbytes}; its spec "
             f"says pages of {page} bytes"
         )
-        tokens = pool.pages_for(spec.tokens_held(cache.position)) * pool.page_tokens + pool.page_tokens
+        tokens = pool.max_pages(cache.position) * pool.page_tokens
         most = spec.bytes_per_sequence(dtype) + tokens * spec.bytes_per_token(dtype)
         per_sequence = cache.nbytes // cache.num_sequences
         assert per_sequence <= most, (
