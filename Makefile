@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral petals_deepseek
+FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral petals_deepseek petals_qwen
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate

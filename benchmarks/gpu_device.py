@@ -65,6 +65,7 @@ OWN = [
     "petals_falcon",
     "petals_mixtral",
     "petals_deepseek",
+    "petals_qwen",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -166,10 +166,15 @@ def save_tiny_model(variant: str, path: Path, seed: int = 0) -> Path:
     return save_random_model(tiny_config(variant), path, seed)
 
 
-def save_random_model(config, path: Path, seed: int = 0) -> Path:
-    """A random float32 causal LM of ``config``, saved in the Hugging Face layout at ``path``."""
+def save_random_model(
+    config, path: Path, seed: int = 0, adjust: Callable[[torch.nn.Module], None] | None = None
+) -> Path:
+    """A random float32 causal LM of ``config``, saved in the Hugging Face layout at ``path``; ``adjust``
+    changes its weights first (one that transformers draws at random, say, to a value a test needs)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if adjust is not None:
+        adjust(model)
     model.save_pretrained(path)
     return path
 

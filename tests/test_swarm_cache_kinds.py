@@ -9,19 +9,25 @@ and its replica rebuilds that cache from the session's history (logits equal too
   server keeps of a window (the window and the rewind margin), so both the killed server and its
   replica, after replaying that history, have given pages back;
 * full attention with keys and values of their own widths, layers that differ by index (DeepSeek V3:
-  its latent of 16 values and rope key of 8, a dense first layer, then shared and routed experts).
+  its latent of 16 values and rope key of 8, a dense first layer, then shared and routed experts);
+* linear attention (Qwen3-Next: three gated delta net layers, then a full-attention one, each with routed
+  experts and a shared expert): a fixed-size state per sequence, which the replica of the killed server
+  (a linear layer and the full one) rebuilds by replaying the history through the recurrence.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 import petals
 from conftest import LOOPBACK_CLIENT, KillServingServer, save_random_model
 from petals.block import cache_spec
-from petals.kv_cache import REWIND_MARGIN, FullAttentionSpec, SlidingWindowSpec
+from petals.kv_cache import REWIND_MARGIN, FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec
 from petals.testing.swarm import running_swarm
 
 WINDOW = 8
@@ -63,21 +69,55 @@ MODELS = {
         qk_rope_head_dim=8,
         v_head_dim=12,
     ),
+    # blocks 2:4, the killed server's, are a linear layer and the full one
+    "linear-then-full-attention": Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
 }
-QWEN2_HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
+# the full attention of the Qwen2 and Qwen3-Next models: 4 query heads, 2 key/value heads of 16
+HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
+# a convolution over queries and keys (2 heads x 8) and values (4 heads x 8); an 8 x 8 state per value head
+GATED_DELTA_NET = LinearAttentionSpec(conv_dim=2 * 16 + 32, conv_kernel=4, recurrent_shape=(4, 8, 8))
 SPECS = {  # what each block caches, as servers budget it
-    "sliding-window": [SlidingWindowSpec(**QWEN2_HEADS, window=WINDOW), FullAttentionSpec(**QWEN2_HEADS)] * 2,
+    "sliding-window": [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec(**HEADS)] * 2,
     "latent-dense-then-experts": [
         FullAttentionSpec(num_kv_heads=1, key_dim=16, value_dim=8, num_query_heads=4)
     ]
     * 4,
+    "linear-then-full-attention": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
 }
+
+
+def slow_to_forget(model: torch.nn.Module) -> None:
+    """A gated delta net head's state decays by exp(-A softplus(...)) a token, and transformers draws A from
+    [0.01, 16]: a random model's heads forget within a token, so a replica's state rebuilt wrong would hardly
+    show (zeroing it at the kill moves the logits by 1e-4, once). With A = 0.01 each head keeps the session's
+    history (the same zeroing moves them by 0.08 at once, by up to 0.9 later)."""
+    for module in model.modules():
+        if isinstance(module, Qwen3NextGatedDeltaNet):
+            torch.nn.init.constant_(module.A_log, math.log(0.01))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_greedy_tokens_equal_transformers_through_a_killed_server(kind, tmp_path):
-    path = save_random_model(MODELS[kind], tmp_path / kind)
+    path = save_random_model(MODELS[kind], tmp_path / kind, adjust=slow_to_forget)
     ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     kwargs = dict(
         max_new_tokens=NEW_TOKENS,
