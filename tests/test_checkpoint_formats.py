@@ -19,11 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from conftest import save_random_model, tiny_config
+import petals
+from conftest import LOOPBACK_CLIENT, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.checkpoint_formats import CheckpointFormatError, dequantize_fp8
 from petals.convert import convert_block
 from petals.loading import Checkpoint, load_block
+from petals.testing.swarm import running_swarm
 
 # as tests/test_convert_quantization.py measures them, on the block's update y - x
 MAX_RELATIVE_ERROR = {"int8": 0.03, "nf4": 0.25}
@@ -235,3 +237,26 @@ def test_scales_of_the_wrong_grid_are_refused():
     tensors = {"q_proj.weight": weight, "q_proj.weight_scale_inv": torch.ones(2, 2)}
     with pytest.raises(CheckpointFormatError, match=r"needs scales of shape \(2, 3\)"):
         dequantize_fp8(tensors, {"weight_block_size": [16, 16]}, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["deepseek-v3-blockwise", "llama-per-tensor"])
+def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized_model(
+    fp8_checkpoint, layout
+):
+    fp8, reference = fp8_checkpoint(layout)
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).generate(ids, **kwargs)
+
+    with running_swarm(fp8, "0:2", "2:4") as (dht, servers):
+        for server in servers:
+            assert "fp8 checkpoint dequantized to float32 on cpu" in server.log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            fp8, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4
