@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 import petals
-from conftest import LOOPBACK_CLIENT, save_random_model, tiny_config
+from conftest import LOOPBACK_CLIENT, inprocess_swarm, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.checkpoint_formats import CheckpointFormatError, dequantize_fp8
 from petals.convert import convert_block
@@ -91,13 +91,16 @@ def is_quantized_in_release(name: str, tensor: torch.Tensor) -> bool:
     return name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith("mlp.gate.weight")
 
 
-def save_fp8_checkpoint(config, path: Path, block_size: list[int] | None) -> tuple[Path, Path]:
-    """``(fp8 checkpoint, its dequantized float32 twin)`` of one random model of ``config``."""
+def save_fp8_checkpoint(
+    config, path: Path, block_size: list[int] | None, also: tuple[str, ...] = ()
+) -> tuple[Path, Path]:
+    """``(fp8 checkpoint, its dequantized float32 twin)`` of one random model of ``config``; ``also``
+    names tensors outside the layers to quantize too."""
     source = save_random_model(config, path / "source")
     tensors = load_file(source / "model.safetensors")
     stored, dequantized = {}, {}
     for name, tensor in tensors.items():
-        if is_quantized_in_release(name, tensor):
+        if is_quantized_in_release(name, tensor) or name in also:
             quantized, scale_inv = quantize_fp8(tensor, block_size)
             stored[name], stored[f"{name}_scale_inv"] = quantized, scale_inv
             dequantized[name] = dequantize_by_blocks(quantized, scale_inv, block_size)
@@ -260,3 +263,15 @@ def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+
+
+def test_a_client_reads_a_head_stored_in_fp8_dequantized(tmp_path):
+    fp8, reference = save_fp8_checkpoint(tiny_config("llama"), tmp_path, [16, 24], also=("lm_head.weight",))
+    with inprocess_swarm(fp8, "0:4") as (dht, _):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            fp8, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        head = model.get_output_embeddings().weight
+        model.close()
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).lm_head.weight
+    assert head.dtype == torch.float32 and torch.equal(head, expected)

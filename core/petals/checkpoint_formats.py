@@ -10,7 +10,7 @@ the table is refused by name; a new one (MXFP4, GPTQ, ...) is a row here and its
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,8 @@ class CheckpointFormat:
     name: str
     # (one block's tensors by checkpoint name, quantization_config, serving dtype) -> plain tensors
     dequantize: Callable[[dict[str, torch.Tensor], dict[str, Any], torch.dtype], dict[str, torch.Tensor]]
+    # what a stored tensor's companions (its scales) are named: its name + each suffix
+    companion_suffixes: tuple[str, ...] = ()
 
 
 def dequantize_fp8(
@@ -81,7 +83,7 @@ def _dequantize_fp8_weight(
 
 
 FORMATS: dict[str, CheckpointFormat] = {
-    "fp8": CheckpointFormat("fp8", dequantize_fp8),
+    "fp8": CheckpointFormat("fp8", dequantize_fp8, companion_suffixes=("_scale_inv",)),
 }
 
 
@@ -106,11 +108,19 @@ def quantization_config_of(config: PretrainedConfig) -> dict[str, Any] | None:
     return quantization_config.to_dict()
 
 
-def dequantize_block_tensors(
+def with_companions(config: PretrainedConfig, names: list[str], stored: Collection[str]) -> list[str]:
+    """``names`` and the ``stored`` tensors that dequantizing them needs (their scales)."""
+    format = checkpoint_format(config)
+    suffixes = format.companion_suffixes if format is not None else ()
+    return names + [name + suffix for name in names for suffix in suffixes if name + suffix in stored]
+
+
+def dequantize_tensors(
     config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
-    """One block's tensors as the checkpoint stores them → plain ones (``dtype`` None: the config's
-    dtype, else float32). Unquantized checkpoints' tensors are returned as they are."""
+    """Tensors as the checkpoint stores them (a block's, or the client's embeddings and head), with
+    their scales → plain ones (``dtype`` None: the config's dtype, else float32). Unquantized
+    checkpoints' tensors are returned as they are."""
     format = checkpoint_format(config)
     if format is None:
         return tensors

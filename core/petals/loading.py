@@ -30,7 +30,7 @@ from transformers.core_model_loading import (
 )
 
 from petals.block import make_block
-from petals.checkpoint_formats import dequantize_block_tensors
+from petals.checkpoint_formats import dequantize_tensors
 from petals.disk_cache import cache_lock, make_room, mark_used
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def read_block_state_dict(
     """
     prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
     state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys).items()}
-    state_dict = dequantize_block_tensors(config, state_dict, dtype)
+    state_dict = dequantize_tensors(config, state_dict, dtype)
     return convert_checkpoint_names(config.model_type, state_dict)
 
 
