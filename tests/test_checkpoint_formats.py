@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
@@ -23,6 +24,7 @@ import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.checkpoint_formats import CheckpointFormatError, dequantize_fp8
+from petals.cli import main
 from petals.convert import convert_block
 from petals.loading import Checkpoint, load_block
 from petals.testing.swarm import running_swarm
@@ -222,17 +224,30 @@ def test_quant_type_quantizes_the_dequantized_weights_again(fp8_checkpoint, quan
     assert error < MAX_RELATIVE_ERROR[quant_type]
 
 
-def test_unknown_quantization_method_is_refused_by_name(fp8_checkpoint, tmp_path):
+@pytest.fixture
+def gptq_checkpoint(fp8_checkpoint, tmp_path) -> Path:
+    """A checkpoint that says it is quantized with a method petals does not read."""
     fp8, _ = fp8_checkpoint("llama-per-tensor")
     for file in fp8.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     config_json = json.loads((fp8 / "config.json").read_text())
     config_json["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config_json))
+    return tmp_path
+
+
+def test_unknown_quantization_method_is_refused_by_name(gptq_checkpoint):
     with pytest.raises(
         CheckpointFormatError, match="quant_method 'gptq', which petals cannot read yet .*reads: fp8"
     ):
-        load_block(tmp_path, 0)
+        load_block(gptq_checkpoint, 0)
+
+
+def test_a_server_refuses_an_unknown_quantization_method_in_one_line_before_it_announces(gptq_checkpoint):
+    result = CliRunner().invoke(main, ["serve", str(gptq_checkpoint), "--new_swarm"])
+    assert result.exit_code == 1
+    assert "quant_method 'gptq', which petals cannot read yet (it reads: fp8)" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_scales_of_the_wrong_grid_are_refused():
