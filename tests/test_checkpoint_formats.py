@@ -290,3 +290,23 @@ def test_a_client_reads_a_head_stored_in_fp8_dequantized(tmp_path):
         model.close()
     expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).lm_head.weight
     assert head.dtype == torch.float32 and torch.equal(head, expected)
+
+
+def test_blocks_are_128_by_128_when_the_config_does_not_say():
+    quantized, scale_inv = quantize_fp8(torch.randn(200, 130), [128, 128])
+    tensors = {"o_proj.weight": quantized, "o_proj.weight_scale_inv": scale_inv}
+    dequantized = dequantize_fp8(tensors, {"quant_method": "fp8"}, torch.float32)["o_proj.weight"]
+    assert torch.equal(dequantized, dequantize_by_blocks(quantized, scale_inv, [128, 128]))
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "scale_dtype"),
+    [(torch.int8, torch.float32), (torch.float8_e4m3fn, torch.uint8)],  # FP4-packed experts, ue8m0 scales
+)
+def test_other_layouts_under_fp8_are_refused_not_misread(weight_dtype, scale_dtype):
+    tensors = {
+        "w1.weight": torch.zeros(16, 16, dtype=weight_dtype),
+        "w1.weight_scale_inv": torch.ones(1, 1, dtype=scale_dtype),
+    }
+    with pytest.raises(CheckpointFormatError, match="is not the fp8 layout petals reads"):
+        dequantize_fp8(tensors, {"weight_block_size": [16, 16]}, torch.float32)

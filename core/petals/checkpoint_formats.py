@@ -18,6 +18,7 @@ import torch
 from transformers import PretrainedConfig
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_FP8_BLOCK = [128, 128]
 
 
 class CheckpointFormatError(ValueError):
@@ -39,9 +40,10 @@ def dequantize_fp8(
     """FP8 weights ``W`` with a float32 ``W_scale_inv``: per block of ``weight_block_size`` (DeepSeek V3,
     Kimi K2, Qwen3 FP8; edge blocks cropped) or one per tensor (``weight_block_size`` null).
 
-    Static activation scales are dropped: the dequantized weights compute in ``dtype``.
+    Static activation scales are dropped: the dequantized weights compute in ``dtype``. Without a
+    ``weight_block_size`` key the blocks are 128x128, as in transformers' ``FineGrainedFP8Config``.
     """
-    block_size = quantization_config.get("weight_block_size")
+    block_size = quantization_config.get("weight_block_size", DEFAULT_FP8_BLOCK)
     plain = {
         name: tensor
         for name, tensor in tensors.items()
@@ -66,6 +68,12 @@ def dequantize_fp8(
 def _dequantize_fp8_weight(
     name: str, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: list[int] | None
 ) -> torch.Tensor:
+    # FP4-packed experts (int8) and power-of-two scales (ue8m0, uint8) are other layouts: refused, not misread
+    if weight.dtype not in FP8_DTYPES or scale_inv.dtype not in (torch.float32, torch.bfloat16):
+        raise CheckpointFormatError(
+            f"{name}: a {weight.dtype} weight with {scale_inv.dtype} scales is not the fp8 layout petals "
+            "reads (float8 weights, float32 scales)"
+        )
     weight = weight.to(torch.float32)
     scale_inv = scale_inv.to(torch.float32)
     if block_size is None or scale_inv.numel() == 1:
