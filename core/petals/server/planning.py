@@ -36,12 +36,15 @@ def resolve_settings(settings: ServerSettings) -> ServerSettings:
     """Decide every default left open; measures the throughput unless a number was given.
 
     Raises ``SettingError`` for a setting that cannot work with this model or machine,
-    ``ValueError`` when not even one block fits, ``ModuleNotFoundError`` when an optional package
+    ``ValueError`` when not even one block fits or the checkpoint's quantization format is unknown,
+    ``ModuleNotFoundError`` when an optional package
     that the settings need is missing, and what loading the config or the adapters raises.
     """
+    from petals.checkpoint_formats import checkpoint_format
     from petals.server.throughput import resolve_throughput
 
     config = settings.load_config()
+    checkpoint_format(config)  # a release in a format petals cannot read stops here, before it announces
     tensor_parallel_devices = tuple(
         parse_device(device, "tensor_parallel_devices") for device in settings.tensor_parallel_devices
     )
