@@ -84,7 +84,8 @@ def main() -> None:
         local = ctx.local_model(args.model)
         config, backends = server_backends(ctx.model_path(args.model))
         pools = [
-            backend.make_pools(num_pages=(PROMPT + STEPS) // 16 + 2, page_tokens=16) for backend in backends
+            backend.make_pools(tokens=((PROMPT + STEPS) // 16 + 2) * 16, page_tokens=16)
+            for backend in backends
         ]
         vocab, hidden_size = config.vocab_size, config.hidden_size
         prompt = torch.randint(3, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0))

@@ -737,7 +737,7 @@ def device_memory_by_pid() -> dict[int, float]:
 
 def memory(check: GpuCheck) -> dict[str, Any]:
     from petals import AutoDistributedConfig
-    from petals.block import kv_cache_layout
+    from petals.block import cache_spec
     from petals.server.planning import default_limits
 
     ctx = check.ctx
@@ -746,7 +746,10 @@ def memory(check: GpuCheck) -> dict[str, Any]:
     config = AutoDistributedConfig.from_pretrained(path)
     used = device_memory_by_pid()
     cache_tokens = default_limits(config).attn_cache_tokens
-    cache_per_block = kv_cache_layout(config).bytes_per_token(ctx.dtype) * cache_tokens
+    largest = max(
+        cache_spec(config, index).bytes_per_token(ctx.dtype) for index in range(config.num_hidden_layers)
+    )
+    cache_per_block = largest * cache_tokens
     servers = {}
     for server, blocks in zip(swarm.servers, block_ranges(ctx.num_blocks(MODEL), check.servers), strict=True):
         start, end = map(int, blocks.split(":"))

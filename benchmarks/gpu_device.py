@@ -58,7 +58,16 @@ PINNED = [
 SOURCE_ONLY = ["prefetch-generator==1.0.3", "python-baseconv==1.2.2", "varint==1.0.2"]  # pure Python sdists
 BITSANDBYTES = "bitsandbytes==0.50.2"
 KEEP_LIBRARIES = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")
-OWN = ["core", "petals_llama", "petals_bloom", "petals_falcon", "petals_mixtral", "plugins/petals_qwen2"]
+OWN = [
+    "core",
+    "petals_llama",
+    "petals_bloom",
+    "petals_falcon",
+    "petals_mixtral",
+    "petals_deepseek",
+    "petals_qwen",
+    "plugins/petals_qwen2",
+]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]
 PLATFORM += [f"--platform=manylinux_2_{n}_x86_64" for n in (5, 17, 24, 27, 28, 31, 34, 35)]
 PLATFORM += ["--platform=manylinux2014_x86_64", "--platform=manylinux1_x86_64"]

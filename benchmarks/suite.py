@@ -2,6 +2,7 @@
 
 from benchmarks import (
     api_overhead,
+    cache_kinds,
     concurrent_sessions,
     forward_throughput,
     generation_latency,
@@ -31,4 +32,5 @@ SUITE = {
     **wan_latency.BENCHMARKS,
     **speculative.BENCHMARKS,
     **swarm_scale.BENCHMARKS,  # no swarm: a simulation
+    **cache_kinds.BENCHMARKS,  # no swarm: one block's cache in this process
 }

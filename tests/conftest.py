@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, LlamaConfig, MixtralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MixtralConfig,
+    StoppingCriteria,
+)
 
 from petals import hookimpl
 from petals.plugins import PluginManager, using_plugin_manager
@@ -56,7 +63,11 @@ def missing_from_session(session: pytest.Session) -> list[str]:
     uncollected test files."""
     picked = [arg for arg in session.config.args if "::" in arg]
     collected = {item.path for item in session.items}
-    files = [*ROOT.glob("tests/test_*.py"), *ROOT.glob("plugins/*/tests/test_*.py")]
+    files = [
+        *ROOT.glob("tests/test_*.py"),
+        *ROOT.glob("petals_*/tests/test_*.py"),
+        *ROOT.glob("plugins/*/tests/test_*.py"),
+    ]
     return (
         picked + DESELECTED + [str(path.relative_to(ROOT)) for path in sorted(files) if path not in collected]
     )
@@ -152,8 +163,18 @@ def tiny_config(variant: str):
 
 
 def save_tiny_model(variant: str, path: Path, seed: int = 0) -> Path:
+    return save_random_model(tiny_config(variant), path, seed)
+
+
+def save_random_model(
+    config, path: Path, seed: int = 0, adjust: Callable[[torch.nn.Module], None] | None = None
+) -> Path:
+    """A random float32 causal LM of ``config``, saved in the Hugging Face layout at ``path``; ``adjust``
+    changes its weights first (one that transformers draws at random, say, to a value a test needs)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(variant), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if adjust is not None:
+        adjust(model)
     model.save_pretrained(path)
     return path
 
@@ -246,6 +267,24 @@ def swarm_with_processes(
             else:
                 server.wait_ready()
         yield dht, servers
+
+
+class KillServingServer(StoppingCriteria):
+    """Never stops generation; after ``kill_after`` new tokens, SIGKILLs the server process that serves the
+    session's span starting at block ``start``."""
+
+    def __init__(self, session, servers, prompt_length: int, kill_after: int, start: int = 2) -> None:
+        self.session, self.servers, self.prompt_length = session, servers, prompt_length
+        self.kill_after, self.start = kill_after, start
+        self.killed = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.killed is None and input_ids.shape[1] - self.prompt_length == self.kill_after:
+            (peer_id,) = {str(span.peer_id) for span in self.session.route if span.start == self.start}
+            self.killed = next(server for server in self.servers if server.peer_id == peer_id)
+            self.killed.process.kill()
+            self.killed.process.wait()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The benchmark suite runs end to end (``--quick``: tiny models, one run each, no timing claims)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,9 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     # the six measurements of the suite's issue, the transport floor (g), the wide-area latency (h),
     # petals api's overhead (i), a private swarm's cost (p), speculative decoding (s), prompt tuning (t), the
-    # simulated swarm of 1,000 servers (w); (a) and (b) also at one torch thread everywhere
-    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "p", "s", "t", "w"]
+    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k); (a) and (b) also at one torch
+    # thread everywhere
+    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "p", "s", "t", "w"]
     for record in records:
         assert record["quick"] is True
         assert isinstance(record["ratio"], float) and record["ratio"] > 0
@@ -37,6 +39,40 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     summary = (tmp_path / "summary.md").read_text()
     assert all(record["benchmark"] in summary for record in records)
     assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_cache_kinds_hold_what_each_kind_keeps_and_no_more_than_transformers(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cache_kinds", "--quick", "--results", str(tmp_path)],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((tmp_path / "cache_kinds.json").read_text())
+    held = {
+        kind: {int(tokens): (counts["ours"], counts["hf"]) for tokens, counts in by_length.items()}
+        for kind, by_length in record["measurements"].items()
+    }
+    # a sliding window of 4,096 (and a chunk of 8,192) stops growing once the sequence is past it
+    sliding_past_window = {ours for tokens, (ours, _) in held["sliding"].items() if tokens >= 2 * 4_096}
+    assert len(sliding_past_window) == 1, held["sliding"]
+    assert held["chunked"][16_384][0] == held["chunked"][12_288][0]
+    ours, theirs = held["sliding"][16_384]
+    assert theirs < ours <= 1.05 * theirs  # transformers keeps 4,095 tokens, we keep a rewind margin more
+    # DeepSeek V3's attention hands both caches its latent (512 + 64 values a token), not per-head keys
+    assert held["keys != values"][16_384][1] == 16_384 * (512 + 64) * 4
+    # full attention, keys and values of equal or unequal widths: to the byte, at every length
+    for kind in ("full", "keys != values"):
+        assert all(ours == theirs for ours, theirs in held[kind].values()), held[kind]
+    assert record["met"], record["checks"]
+    assert re.search(
+        r"^  sliding window 4,096 \(Mistral\) +16,384 +[\d,]+ +[\d,]+ +1\.016$", result.stdout, re.M
+    )
+    assert ("linear attention (Qwen3-Next)" in result.stdout) != (
+        "linear attention: not served by this build" in result.stdout
+    )
 
 
 def test_cpu_split_reports_each_process_of_the_swarm():

@@ -9,8 +9,8 @@ after prefills, each checked against the same blocks run one session at a time.
 import pytest
 import torch
 
-from petals.block import allocate_cache, kv_cache_layout
-from petals.kv_cache import BlockCache, PagePool
+from petals.block import allocate_cache, cache_spec
+from petals.kv_cache import AttentionCache, PagePool
 from petals_llama.block import LlamaBlock
 from petals_llama.config import DistributedLlamaConfig
 
@@ -33,24 +33,24 @@ def blocks():
 def run(blocks, caches_per_session, hidden):
     with torch.no_grad():
         for index, block in enumerate(blocks):
-            hidden = block(hidden, BlockCache.merged([caches[index] for caches in caches_per_session]))
+            hidden = block(hidden, AttentionCache.merged([caches[index] for caches in caches_per_session]))
     return hidden
 
 
 def solo(blocks, prefill, step):
-    caches = [allocate_cache(CONFIG, prefill.shape[0], 32) for _ in blocks]
+    caches = [allocate_cache(CONFIG, prefill.shape[0], 32, block_index=index) for index in range(len(blocks))]
     run(blocks, [caches], prefill)
     return run(blocks, [caches], step)
 
 
 def test_merges_with_equal_lengths_but_other_row_layouts_get_their_own_positions(blocks):
     generator = torch.Generator().manual_seed(1)
-    pools = [PagePool(kv_cache_layout(CONFIG), num_pages=32, page_tokens=4) for _ in blocks]
+    pools = [PagePool(cache_spec(CONFIG, index), num_pages=32, page_tokens=4) for index in range(len(blocks))]
 
     def session(batch_size, length):
         prefill = torch.randn(batch_size, length, CONFIG.hidden_size, generator=generator)
         step = torch.randn(batch_size, 1, CONFIG.hidden_size, generator=generator)
-        caches = [BlockCache.paged(pool, batch_size, 32) for pool in pools]
+        caches = [AttentionCache.paged(pool, batch_size, 32, index) for index, pool in enumerate(pools)]
         run(blocks, [caches], prefill)
         return caches, prefill, step
 
@@ -76,7 +76,7 @@ def test_one_token_steps_equal_a_full_forward_over_the_whole_sequence(blocks):
         full = sequence
         for block in blocks:
             full = block(full, None)
-    caches = [allocate_cache(CONFIG, 2, 32) for _ in blocks]
+    caches = [allocate_cache(CONFIG, 2, 32, block_index=index) for index in range(len(blocks))]
     steps = [run(blocks, [caches], sequence[:, :4])]
     steps.append(run(blocks, [caches], sequence[:, 4:6]))
     steps += [run(blocks, [caches], sequence[:, position : position + 1]) for position in range(6, 9)]

@@ -6,32 +6,16 @@ import contextlib
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, StoppingCriteria
+from transformers import AutoModelForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT, swarm_with_processes
+from conftest import LOOPBACK_CLIENT, KillServingServer, swarm_with_processes
 from petals.server.server import READY_MESSAGE
 from petals.testing.swarm import start_server
 
 RUNS = 5
 NEW_TOKENS = 32
 KILL_AFTER = 10
-
-
-class KillServingServer(StoppingCriteria):
-    """Never stops generation; after ``KILL_AFTER`` new tokens, SIGKILLs the server serving blocks 2:4."""
-
-    def __init__(self, session, servers, prompt_length: int) -> None:
-        self.session, self.servers, self.prompt_length = session, servers, prompt_length
-        self.killed = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self.killed is None and input_ids.shape[1] - self.prompt_length == KILL_AFTER:
-            (peer_id,) = {str(span.peer_id) for span in self.session.route if span.start == 2}
-            self.killed = next(server for server in self.servers if server.peer_id == peer_id)
-            self.killed.process.kill()
-            self.killed.process.wait()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def test_greedy_generation_survives_a_killed_server(tiny_model_path):
@@ -50,7 +34,7 @@ def test_greedy_generation_survives_a_killed_server(tiny_model_path):
             for _ in range(RUNS):
                 started = time.perf_counter()
                 with model.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
-                    killer = KillServingServer(session, servers, ids.shape[1])
+                    killer = KillServingServer(session, servers, ids.shape[1], KILL_AFTER)
                     output = model.generate(ids, stopping_criteria=[killer], **kwargs)
                     survivors = {str(span.peer_id) for span in session.route}
                 assert killer.killed is not None, "the session never reached the kill point"
@@ -105,7 +89,7 @@ def test_deep_prompts_are_replayed_to_the_replacement(tiny_model_path):
                 embedding.weight.normal_(std=3.0, generator=torch.Generator().manual_seed(5))
         expected = model.generate(ids, **kwargs)
         with model.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
-            killer = KillServingServer(session, servers, ids.shape[1])
+            killer = KillServingServer(session, servers, ids.shape[1], KILL_AFTER)
             output = model.generate(ids, stopping_criteria=[killer], **kwargs)
             survivors = {str(span.peer_id) for span in session.route}
         assert killer.killed is not None and killer.killed.peer_id not in survivors

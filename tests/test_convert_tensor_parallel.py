@@ -6,11 +6,18 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIGS
-from petals.block import allocate_cache, kv_cache_layout
-from petals.convert import make_tensor_parallel
+from petals.block import allocate_cache, cache_spec
+from petals.convert import ShardedCache, make_tensor_parallel
+from petals.kv_cache import PagePool, open_cache
 from petals.loading import load_block
 
 DEVICES = ["cpu", "cpu"]
+
+
+def shard_caches(config, batch_size, max_length, block_index=1):
+    """One standalone cache per shard, each holding its share of the block's key/value heads."""
+    spec = cache_spec(config, block_index).sharded(len(DEVICES))
+    return ShardedCache(open_cache(spec, batch_size, max_length, layer_index=block_index) for _ in DEVICES)
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_CONFIGS))
@@ -18,15 +25,17 @@ def test_sharded_block_equals_whole_block(tiny_model_path, variant):
     block = load_block(tiny_model_path(variant), 1)
     sharded = make_tensor_parallel(copy.deepcopy(block), block.config, DEVICES)
 
-    cache, shard_caches = allocate_cache(block.config, 2, 16), sharded.allocate_caches(2, 16)
-    layout = kv_cache_layout(block.config)
-    copies = len(DEVICES) if layout.num_kv_heads == 1 else 1  # one shared KV head is kept by every shard
-    assert sum(c.nbytes for c in shard_caches) == copies * cache.nbytes
+    cache, shards = allocate_cache(block.config, 2, 16, block_index=1), shard_caches(block.config, 2, 16)
+    spec = cache_spec(block.config, 1)
+    copies = len(DEVICES) if spec.num_kv_heads == 1 else 1  # one shared KV head is kept by every shard
+    assert sum(c.nbytes for c in shards) == copies * cache.nbytes
     torch.manual_seed(0)
     with torch.no_grad():
         for length in [5, 1, 1, 3]:  # prefill, then cached steps
             hidden = torch.randn(2, length, block.config.hidden_size)
-            torch.testing.assert_close(sharded(hidden, shard_caches), block(hidden, cache), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                sharded(hidden, shards.view()), block(hidden, cache.view()), atol=1e-5, rtol=0
+            )
 
     hidden = torch.randn(2, 5, block.config.hidden_size, requires_grad=True)
     weights = torch.randn(2, 5, block.config.hidden_size)
@@ -45,7 +54,7 @@ def test_wrong_number_of_caches_is_refused(tiny_model_path):
     block = load_block(tiny_model_path("llama"), 0)
     sharded = make_tensor_parallel(block, block.config, DEVICES)
     with pytest.raises(ValueError, match=r"expected one cache per shard \(2\), got 1"):
-        sharded(torch.randn(1, 1, 64), [allocate_cache(block.config, 1, 4)])
+        sharded(torch.randn(1, 1, 64), [allocate_cache(block.config, 1, 4).view()])
 
 
 def test_sharding_plans_come_from_the_family_plugins(tmp_path):
@@ -65,23 +74,26 @@ def test_sharding_plans_come_from_the_family_plugins(tmp_path):
 
 @pytest.mark.parametrize("variant", ["llama", "bloom"])
 def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_path, variant):
-    from petals.convert import ShardedCache
-    from petals.kv_cache import BlockCache
-
     block = load_block(tiny_model_path(variant), 1)
     sharded = make_tensor_parallel(copy.deepcopy(block), block.config, DEVICES)
-    pools = sharded.make_pools(num_pages=16, page_tokens=4, dtype=torch.float32)
-    sessions = [ShardedCache(BlockCache.paged(pool, batch, 16) for pool in pools) for batch in (1, 2)]
-    solo = [allocate_cache(block.config, batch, 16) for batch in (1, 2)]
+    spec = cache_spec(block.config, 1).sharded(len(DEVICES))
+    pools = [PagePool(spec, num_pages=16, page_tokens=4) for _ in DEVICES]
+    sessions = [
+        ShardedCache(open_cache(spec, batch, 16, pool=pool, layer_index=1) for pool in pools)
+        for batch in (1, 2)
+    ]
+    solo = [allocate_cache(block.config, batch, 16, block_index=1) for batch in (1, 2)]
     torch.manual_seed(0)
     with torch.no_grad():
         for session, cache, prompt in zip(sessions, solo, (6, 3), strict=True):  # different positions
             hidden = torch.randn(cache.num_sequences, prompt, block.config.hidden_size)
-            torch.testing.assert_close(sharded(hidden, session), block(hidden, cache), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                sharded(hidden, session.view()), block(hidden, cache.view()), atol=1e-5, rtol=0
+            )
         for _ in range(3):
             steps = [torch.randn(cache.num_sequences, 1, block.config.hidden_size) for cache in solo]
             merged = sharded(torch.cat(steps), ShardedCache.merged(sessions))
-            expected = torch.cat([block(step, cache) for step, cache in zip(steps, solo, strict=True)])
+            expected = torch.cat([block(step, cache.view()) for step, cache in zip(steps, solo, strict=True)])
             torch.testing.assert_close(merged, expected, atol=1e-5, rtol=0)
     for session in sessions:
         session.release()

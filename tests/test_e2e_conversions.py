@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 import petals
 from conftest import LOOPBACK_CLIENT, tiny_config
-from petals.block import kv_cache_layout
+from petals.block import cache_spec
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import make_uids
 from petals.loading import load_block
@@ -194,7 +194,7 @@ def test_sharded_sessions_are_budgeted_by_the_bytes_their_caches_take(tiny_model
     cache = backend.allocate_cache(batch_size=2, max_length=8)
     assert len(cache) == 2 and cache.nbytes == 2 * 8 * backend.bytes_per_token
     copies = 2 if family == "falcon-multi-query" else 1  # one shared key/value head is kept by both shards
-    assert backend.bytes_per_token == copies * kv_cache_layout(block.config).bytes_per_token(torch.float32)
+    assert backend.bytes_per_token == copies * cache_spec(block.config, 0).bytes_per_token(torch.float32)
 
 
 # ---- adapters ----------------------------------------------------------------------------------

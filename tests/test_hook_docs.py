@@ -19,9 +19,13 @@ def test_hook_has_docstring_and_guide_section(name):
 
 
 def test_hook_names_lists_every_spec():
-    assert {"register_model_families", "dht_prefix", "quantize_module", "tensor_parallel_config"} == set(
-        hookspecs.hook_names()
-    )
+    assert {
+        "register_model_families",
+        "dht_prefix",
+        "cache_spec",
+        "quantize_module",
+        "tensor_parallel_config",
+    } == set(hookspecs.hook_names())
 
 
 def test_every_hook_is_called_by_some_test(request):

@@ -14,7 +14,14 @@ from petals.auto import AutoDistributedConfig
 from petals.config import DistributedConfigMixin, LazyClass
 from petals.plugins import DuplicateModelTypeError, PluginManager, UnknownModelTypeError, using_plugin_manager
 
-FAMILIES = {"bloom": "bloom", "falcon": "falcon", "llama": "llama", "mixtral": "mixtral"}
+FAMILIES = {
+    "bloom": "bloom",
+    "deepseek": "deepseek_v2, deepseek_v3",
+    "falcon": "falcon",
+    "llama": "llama",
+    "mixtral": "mixtral",
+    "qwen": "qwen2_moe, qwen3, qwen3_moe, qwen3_next",
+}
 
 
 def run_petals(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -74,8 +81,8 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, falcon, mixtral, petals_template"
-        in failed.stderr
+        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, mixtral, "
+        "petals_template, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
     )
 
 
@@ -181,7 +188,10 @@ def test_importing_petals_and_loading_plugins_is_lazy():
         from petals.plugins import get_plugin_manager
         families = get_plugin_manager().model_families()
         assert {"bloom", "falcon", "llama", "mixtral"} <= set(families), families
-        families = ("llama", "bloom", "falcon", "mixtral")
+        families = (
+            "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
+            "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe",
+        )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"
         print("lazy")

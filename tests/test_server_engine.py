@@ -11,10 +11,20 @@ import asyncio
 
 import pytest
 import torch
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextDecoderLayer,
+    Qwen3NextRotaryEmbedding,
+)
 
-from petals.kv_cache import PAGE_TOKENS, OutOfPagesError
+from petals import hookimpl
+from petals.block import RotaryBlockMixin
+from petals.config import DistributedConfigMixin
+from petals.kv_cache import PAGE_TOKENS, TOKENS_PER_SEQUENCE, OutOfPagesError
+from petals.plugins import PluginManager, using_plugin_manager
 from petals.server.backend import BlockBackend, HostedBlocks
-from petals.server.cache_budget import CacheBudget
+from petals.server.cache_budget import AllocationFailed, CacheBudget
 from petals.server.engine import PREFILL_CHUNK_TOKENS, ServingEngine
 from petals.server.metrics import ServerMetrics
 from petals.server.scheduler import Batch, Priority, Scheduler
@@ -83,7 +93,7 @@ def run_directly(blocks: HostedBlocks, *steps: torch.Tensor) -> list[torch.Tenso
     outputs = []
     for hidden in steps:
         for backend, cache in zip(blocks.backends.values(), caches, strict=True):
-            hidden = backend.inference_step(hidden, None, cache)
+            hidden = backend.inference_step(hidden, None, cache.view())
         outputs.append(hidden)
     return outputs
 
@@ -284,3 +294,82 @@ def test_two_servers_in_one_process_share_no_state(blocks):
     assert "petals_server_tokens_computed_total 0.0" in scraped(idle_metrics)
     assert 'rpc="rpc_inference"' not in scraped(idle_metrics)
     assert busy.scheduler.threads.mean_seconds and not idle.scheduler.threads.mean_seconds
+
+
+class HybridBlock(RotaryBlockMixin, Qwen3NextDecoderLayer):
+    rotary_class = Qwen3NextRotaryEmbedding
+
+
+class DistributedHybridConfig(DistributedConfigMixin, Qwen3NextConfig):
+    block_class = HybridBlock
+    block_prefix = "model.layers"
+    attn_class = Qwen3NextAttention
+
+
+class HybridPlugin:
+    @hookimpl
+    def register_model_families(self, register):
+        register(DistributedHybridConfig)
+
+
+HYBRID = DistributedHybridConfig(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+    vocab_size=100, intermediate_size=96, num_experts=0, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+
+
+@pytest.fixture
+def hybrid():
+    """Qwen3-Next's layers: three of linear attention (a state per sequence), then full attention (pages)."""
+    manager = PluginManager()
+    manager.register(HybridPlugin(), name="hybrid")
+    torch.manual_seed(0)
+    backends = [
+        BlockBackend(
+            f"hybrid.{index}", index, HybridBlock(HYBRID, index).eval(), HYBRID, torch.float32, "cpu"
+        )
+        for index in range(4)
+    ]
+    with using_plugin_manager(manager):
+        blocks = HostedBlocks(backends)
+        budget = CacheBudget(backends, tokens_per_block=3 * TOKENS_PER_SEQUENCE)  # states for three sequences
+        yield blocks, ServingEngine(blocks, budget, LIMITS, Scheduler(max_threads=1), dht_prefix="hybrid")
+
+
+def test_a_hybrid_model_merges_rewinds_and_admits_sessions_by_their_states(hybrid):
+    blocks, engine = hybrid
+    uids = " ".join(blocks.backends)
+    generator = torch.Generator().manual_seed(2)
+    prefills = [torch.randn(batch, length, 64, generator=generator) for batch, length in ((1, 5), (2, 3))]
+    steps = [torch.randn(prefill.shape[0], 1, 64, generator=generator) for prefill in prefills]
+    free, sessions = engine.budget.tokens_left, []
+    for prefill in prefills:
+        session, args = asyncio.run(engine.open_session(uids, {"max_length": 64}, [prefill]))
+        engine.inference_step(session, args, {})
+        drain(engine)
+        sessions.append(session)
+    with pytest.raises(AllocationFailed, match="whole budget is 3"):
+        asyncio.run(engine.open_session(uids, {"max_length": 64}, [torch.randn(4, 1, 64)]))
+    with pytest.raises(AllocationFailed, match="needs 1 sequence states in block 0, 0 are free"):
+        asyncio.run(engine.open_session(uids, {"max_length": 64}, [torch.randn(1, 1, 64)]))
+
+    def step_all(rewind: bool) -> list[torch.Tensor]:
+        """One step of both sessions, merged although they sit at different positions."""
+        futures = []
+        for session, step in zip(sessions, steps, strict=True):
+            metadata = {"start_from_position": session.position - 1} if rewind else {}
+            futures.append(engine.inference_step(session, engine.step_args(session, {}, [step]), metadata))
+        assert [len(batch.tasks) for batch in drain(engine)] == [2]  # one batch: a forward per block for both
+        return [future.result() for future in futures]
+
+    outputs = step_all(rewind=False)
+    replayed = step_all(rewind=True)  # forgets the step and computes it again (speculative rollback)
+    for prefill, step, output, again in zip(prefills, steps, outputs, replayed, strict=True):
+        solo = run_directly(blocks, prefill, step)
+        torch.testing.assert_close(output, solo[1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(again, solo[1], atol=1e-5, rtol=0)
+    for session in sessions:
+        engine.close_session(session)
+    drain(engine)
+    assert engine.budget.tokens_left == free  # the states went back

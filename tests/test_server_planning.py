@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
-from petals.block import kv_cache_layout
+from petals.block import cache_spec
 from petals.convert import estimate_block_weight_bytes
 from petals.network.p2p import NetworkOptions
 from petals.server.planning import (
@@ -32,8 +32,8 @@ def llama_config(tiny_model_path):
 
 
 def test_plan_divides_free_memory_by_the_cost_of_a_block(llama_config):
-    per_block = estimate_block_weight_bytes(llama_config, torch.float32) + 1000 * kv_cache_layout(
-        llama_config
+    per_block = estimate_block_weight_bytes(llama_config, torch.float32) + 1000 * cache_spec(
+        llama_config, 0
     ).bytes_per_token(torch.float32)
     autograd = int(2 * GiB / 14336 * llama_config.hidden_size)
     num_blocks, explanation = plan_num_blocks(
@@ -45,12 +45,13 @@ def test_plan_divides_free_memory_by_the_cost_of_a_block(llama_config):
 
 
 def test_quantization_and_more_devices_fit_more_blocks(llama_config):
-    llama_config.num_hidden_layers = 10**6  # no cap
-    memory = 4 * GiB
+    llama_config.num_hidden_layers = 2000  # no cap: nf4 fits about 8x the float32 blocks
+    autograd = int(2 * 2 * GiB / 14336 * llama_config.hidden_size)  # the reserve for two devices
+    memory = autograd + 200 * estimate_block_weight_bytes(llama_config, torch.float32, "none")
 
     def plan(**kwargs):
         return plan_num_blocks(
-            llama_config, "cpu", torch.float32, attn_cache_tokens=0, memory_bytes=memory, **kwargs
+            llama_config, "cpu", torch.float32, attn_cache_tokens=1, memory_bytes=memory, **kwargs
         )[0]
 
     assert plan() < plan(quant_type="int8") < plan(quant_type="nf4")

@@ -1,36 +1,51 @@
 """What every server-side block shares: building it, its positions, masks and cache.
 
 A family's block subclasses ``ServerBlockMixin`` and its Hugging Face decoder layer; it is built as
-``XBlock(config, block_index)``, always with HF ``layer_idx=0`` so that it reads and writes the
-single layer of its cache (``prepare_config`` narrows per-layer settings such as ``layer_types``
-to the block's own layer). Its ``forward(hidden_states, cache=None)`` takes a
-``PagedCache`` (one session's ``BlockCache`` or several sessions' merged), derives each row's
-positions and padding from it, and calls the HF layer with exactly the arguments the full HF model
-would pass for a left-padded batch.
+``XBlock(config, block_index)``, with HF ``layer_idx=block_index``: it is the full model's layer of
+that index (dense MLP or experts, rope or no rope, sliding or full attention), and the cache it is
+given answers for that index. Its ``forward(hidden_states, cache=None)`` takes a ``PagedCache``
+(one session's or several sessions' merged), derives each row's positions and padding from it, and
+calls the HF layer with exactly the arguments the full HF model would pass for a left-padded batch,
+with the attention (and experts) implementation transformers picks for the full model.
+
+What a block caches is its ``cache_spec`` (the hook of that name; core's default reads
+transformers' own kind for the layer and the config's sizes).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from typing import ClassVar
 
 import torch
 from transformers import PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 
-from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache
+from petals.kv_cache import CacheSpec, PagedCache, SessionCache, open_cache
+from petals.kv_cache.specs import layer_kind
 
 # per compute thread: what the previous block computed for its step, {name: (key, value)}
 _STEP_VALUES = threading.local()
+_MASK_FUNCTIONS = {
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+    "linear_attention": create_recurrent_attention_mask,  # padding rows only: a state has no positions
+}
+_WINDOWED = ("sliding_attention", "chunked_attention")
 
 
 class ServerBlockMixin:
     """Mixed in front of an HF decoder layer class: ``class XBlock(ServerBlockMixin, XDecoderLayer)``."""
 
-    # the attention implementation transformers chooses for this family's full model by default
-    attn_implementation: ClassVar[str] = "sdpa"
-    # likewise for mixture-of-experts layers (None: the family has no experts)
+    # the attention / experts implementation to force (None: what transformers picks for the full model)
+    attn_implementation: ClassVar[str | None] = None
     experts_implementation: ClassVar[str | None] = None
     # the HF rotary embedding module the full model applies before its layers (None: no rotary)
     rotary_class: ClassVar[type[torch.nn.Module] | None] = None
@@ -38,27 +53,32 @@ class ServerBlockMixin:
 
     def __init__(self, config: PretrainedConfig, block_index: int = 0) -> None:
         config = self.prepare_config(config, block_index)
-        super().__init__(config, layer_idx=0)
-        self.config = config
+        super().__init__(config, layer_idx=block_index)
+        self.config, self.block_index = config, block_index
+        self.layer_type = layer_type(config, block_index)
         if self.rotary_class is not None:
             with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
                 self.rotary_emb = self.rotary_class(config)
-        self._config_key = (type(self), self.rotary_class, config.to_json_string(use_diff=False))
+        # the full model calls some rotary embeddings with the layer's type (one (cos, sin) per type)
+        self._rotary_layer_type = (
+            {"layer_type": self.layer_type}
+            if self.rotary_class is not None and _takes_layer_type(self.rotary_class)
+            else {}
+        )
+        self._config_key = (type(self), self.rotary_class, self.layer_type, _config_json(config))
         # read once: config attribute access is slow, and steps ask per block
         self._sdpa_full_attention = config._attn_implementation == "sdpa" and not self.uses_sliding_window
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:
-        """A copy of ``config`` for block ``block_index``, with the attention (and experts)
-        implementation the full model would use and, where the config lists one type per layer
-        (``layer_types``), only this block's type: it runs as layer 0 of its own cache."""
+        """A copy of ``config`` for block ``block_index`` with the attention and experts implementations
+        the full model would use (transformers' choice for the model class, unless the block forces one)."""
         config = copy.deepcopy(config)
-        if getattr(config, "layer_types", None):
-            config.layer_types = [config.layer_types[block_index]]
+        attention, experts = full_model_implementations(config)
         if getattr(config, "_attn_implementation", None) is None:
-            config._attn_implementation = cls.attn_implementation
-        if cls.experts_implementation and getattr(config, "_experts_implementation", None) is None:
-            config._experts_implementation = cls.experts_implementation
+            config._attn_implementation = cls.attn_implementation or attention
+        if getattr(config, "_experts_implementation", None) is None:
+            config._experts_implementation = cls.experts_implementation or experts
         return config
 
     def position_ids(self, hidden_states: torch.Tensor, cache: PagedCache | None) -> torch.LongTensor:
@@ -80,7 +100,10 @@ class ServerBlockMixin:
         another on the same rows at the same positions, so blocks with equal configs reuse the
         previous block's result (as the full model computes it once for all its layers)."""
         return self._step_value(
-            "rotary", hidden_states, cache, lambda: self.rotary_emb(hidden_states, position_ids)
+            "rotary",
+            hidden_states,
+            cache,
+            lambda: self.rotary_emb(hidden_states, position_ids, **self._rotary_layer_type),
         )
 
     def _step_value(self, name: str, hidden_states: torch.Tensor, cache: PagedCache | None, compute, *key):
@@ -115,11 +138,8 @@ class ServerBlockMixin:
 
     @property
     def uses_sliding_window(self) -> bool:
-        """Whether this layer attends within a sliding window (per layer type, or model-wide)."""
-        layer_types = getattr(self.config, "layer_types", None)
-        if layer_types:
-            return layer_types[0] == "sliding_attention"
-        return getattr(self.config, "sliding_window", None) is not None
+        """Whether this layer attends within a window (sliding or chunked), not to every earlier token."""
+        return self.layer_type in _WINDOWED
 
     def causal_mask(
         self, hidden_states: torch.Tensor, cache: PagedCache | None, position_ids: torch.LongTensor, **kwargs
@@ -128,7 +148,7 @@ class ServerBlockMixin:
         is_causal suffices)."""
         if not kwargs and self._needs_no_mask(hidden_states, cache):
             return None
-        mask_function = create_sliding_window_causal_mask if self.uses_sliding_window else create_causal_mask
+        mask_function = _MASK_FUNCTIONS.get(self.layer_type, create_causal_mask)
         return self._step_value(
             "mask",
             hidden_states,
@@ -139,7 +159,7 @@ class ServerBlockMixin:
                 attention_mask=self.attention_mask(hidden_states, cache) if cache is not None else None,
                 cache=cache,
                 position_ids=position_ids,
-                layer_idx=0 if cache is not None else None,
+                layer_idx=self.block_index if cache is not None else None,
                 **kwargs,
             ),
             tuple(sorted(kwargs.items())),
@@ -176,15 +196,52 @@ class RotaryBlockMixin(ServerBlockMixin):
         )
 
 
-def kv_cache_layout(config: PretrainedConfig) -> KVCacheLayout:
-    """How many key/value heads of which size one block caches per token, from the config's attributes:
-    ``num_attention_heads``, ``num_key_value_groups`` (query heads per key/value head) and ``head_dim``
-    (or ``hidden_size // num_attention_heads``)."""
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return KVCacheLayout(
-        num_kv_heads=num_heads // config.num_key_value_groups, head_dim=head_dim, num_query_heads=num_heads
-    )
+def layer_type(config: PretrainedConfig, block_index: int) -> str:
+    """The kind of layer ``block_index`` is, as transformers names it (``full_attention``,
+    ``sliding_attention``, ``chunked_attention``, ``linear_attention``, ...)."""
+    return layer_kind(config, block_index)[0]
+
+
+def cache_spec(config: PretrainedConfig, block_index: int) -> CacheSpec:
+    """What block ``block_index`` caches: the family's ``cache_spec`` hook (or core's default)."""
+    from petals.plugins import get_plugin_manager
+
+    return get_plugin_manager().family_hooks(config).cache_spec(config=config, block_index=block_index)
+
+
+def full_model_implementations(config: PretrainedConfig) -> tuple[str, str]:
+    """The attention and experts implementations transformers picks for the full causal-LM model of
+    ``config`` when none is asked for (GPT-OSS: eager attention, for its sinks; most: sdpa)."""
+    if config.model_type not in _IMPLEMENTATIONS:
+        _IMPLEMENTATIONS[config.model_type] = _ask_model_class(config)
+    return _IMPLEMENTATIONS[config.model_type]
+
+
+_IMPLEMENTATIONS: dict[str, tuple[str, str]] = {}
+
+
+def _ask_model_class(config: PretrainedConfig) -> tuple[str, str]:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    model_class = getattr(transformers, name, None) if name else None
+    if model_class is None:
+        return "sdpa", "eager"
+    # the model class's own choice, read without building a model: it consults only the class and its config
+    model = model_class.__new__(model_class)
+    model.config = config
+    attention = model_class.get_correct_attn_implementation(model, None, is_init_check=True)
+    experts = model_class.get_correct_experts_implementation(model, None)
+    return attention, experts
+
+
+def _takes_layer_type(rotary_class: type) -> bool:
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
+
+
+def _config_json(config: PretrainedConfig) -> str:
+    return config.to_json_string(use_diff=False)
 
 
 def make_block(config: PretrainedConfig, block_index: int = 0) -> torch.nn.Module:
@@ -198,6 +255,9 @@ def allocate_cache(
     max_length: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> BlockCache:
-    """A cache for one block of one session, sized by the family's KV layout."""
-    return BlockCache(kv_cache_layout(config), batch_size, max_length, dtype, device)
+    *,
+    block_index: int = 0,
+) -> SessionCache:
+    """A standalone cache for block ``block_index`` of one session, holding all of ``max_length`` up front."""
+    spec = cache_spec(config, block_index)
+    return open_cache(spec, batch_size, max_length, dtype, device, layer_index=block_index)

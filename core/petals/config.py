@@ -3,7 +3,7 @@
 A family's config is ``class DistributedXConfig(DistributedConfigMixin, XConfig)``: the HF config
 of its model type plus the client, prompt-tuning and LM-head settings below (class-level defaults
 that ``from_pretrained(..., key=value)`` overrides), the server-side class attributes
-``block_class`` and ``block_prefix``, and a ``from_pretrained`` that derives
+``block_class``, ``attn_class`` and ``block_prefix``, and a ``from_pretrained`` that derives
 ``dht_prefix`` through the plugins when none is given.
 """
 
@@ -91,6 +91,8 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
     """Mixed in front of a Hugging Face config class by every family plugin."""
 
     block_class: ClassVar[type | LazyClass]  # the server-side block (one decoder layer)
+    # the family's attention module (HF class): core's default cache_spec reads its key/value widths
+    attn_class: ClassVar[type | LazyClass | None] = None
     block_prefix: ClassVar[str]  # state-dict prefix (and module path) of the layer list, e.g. "model.layers"
     block_output_is_tuple: ClassVar[bool] = False  # HF layer returns (hidden, ...) rather than hidden
     default_pad_token_id: ClassVar[int | None] = None  # set pad_token_id to this when the checkpoint has none

@@ -8,9 +8,9 @@ plugin that registered the config's model type (and core's defaults), so an impl
 for its own families and needs no check of which config it got.
 
 What a family declares on its config class instead of through hooks: ``block_class`` (the block),
-``num_key_value_groups`` and ``head_dim``/``hidden_size`` (the KV cache layout, see
-``petals.block.kv_cache_layout``); checkpoint key conversion is transformers' own mapping for the
-model type (``transformers.conversion_mapping``).
+``attn_class`` (its attention, which core's default cache description reads sizes from),
+``block_prefix`` and ``num_key_value_groups``; checkpoint key conversion is transformers' own mapping
+for the model type (``transformers.conversion_mapping``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import pluggy
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+    from petals.kv_cache import CacheSpec
 
 
 hookspec = pluggy.HookspecMarker("petals")
@@ -46,6 +48,20 @@ def dht_prefix(model_id: str, config: PretrainedConfig) -> str | None:
     ``model_id`` is a Hugging Face repo id (``org/name``) or, for a local directory, the folder
     name. Families reproduce the original Petals rules byte for byte so that mixed swarms meet on
     the same keys. Core's default: the last path part with ``.`` replaced by ``-``.
+    """
+
+
+@hookspec(firstresult=True)
+def cache_spec(config: PretrainedConfig, block_index: int) -> CacheSpec | None:
+    """Return what block ``block_index`` caches per session: a spec from ``petals.kv_cache.specs``.
+
+    Core's default reads the layer's kind from transformers (``get_layer_types_and_kwargs``: full,
+    sliding or chunked attention, linear attention, ...) and its sizes from the config (key/value
+    heads ``num_attention_heads // num_key_value_groups``; key and value widths ``qk_head_dim`` /
+    ``v_head_dim`` / ``head_dim``), or from the projections of the config's ``attn_class`` where it
+    has ``k_proj`` and ``v_proj``. Implement it only where a layer caches something else than what
+    its transformers layer hands the cache (a latent instead of expanded keys and values, say).
+    Servers budget memory with it, and the kit checks it against what a block really caches.
     """
 
 
@@ -76,7 +92,7 @@ def tensor_parallel_config(config: PretrainedConfig, world_size: int) -> Any | N
     or all key/value heads where there is a single shared one), split MLPs (and experts) by
     columns then rows, and sum the row-parallel outputs with ``output_rules``; ``attr_rules`` fix
     per-shard head counts where the layer reads them. It must not touch KV caches: each shard is
-    called with its own ``BlockCache``. Core has no default: a family that does not implement it
+    called with its own session cache. Core has no default: a family that does not implement it
     is reported as not supporting tensor parallelism.
     """
 

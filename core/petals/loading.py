@@ -30,6 +30,7 @@ from transformers.core_model_loading import (
 )
 
 from petals.block import make_block
+from petals.checkpoint_formats import dequantize_tensors
 from petals.disk_cache import cache_lock, make_room, mark_used
 
 logger = logging.getLogger(__name__)
@@ -159,11 +160,16 @@ def _cached_repo_exists(repo_id: str, hub_kwargs: dict) -> bool:
 
 
 def read_block_state_dict(
-    checkpoint: Checkpoint, config: PretrainedConfig, block_index: int
+    checkpoint: Checkpoint, config: PretrainedConfig, block_index: int, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """One block's tensors, named as the block's own module expects."""
+    """One block's tensors, named as the block's own module expects.
+
+    A quantized checkpoint's weights (and their scales, read with them) come back dequantized to
+    ``dtype`` (see ``petals.checkpoint_formats``); other tensors keep the checkpoint's dtype.
+    """
     prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
     state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys).items()}
+    state_dict = dequantize_tensors(config, state_dict, dtype)
     return convert_checkpoint_names(config.model_type, state_dict)
 
 
@@ -211,8 +217,8 @@ def load_block(
 ) -> torch.nn.Module:
     """Build block ``block_index`` of a model and fill it with that block's tensors only.
 
-    ``dtype`` None keeps the checkpoint's floating-point dtype. The block is in eval mode with
-    gradients off, on CPU.
+    ``dtype`` None keeps the checkpoint's floating-point dtype (a quantized checkpoint's weights are
+    dequantized to the config's dtype). The block is in eval mode with gradients off, on CPU.
     """
     if config is None:
         from petals.auto import AutoDistributedConfig
@@ -224,7 +230,7 @@ def load_block(
         raise IndexError(f"block {block_index} out of range: the model has {config.num_hidden_layers} blocks")
     if checkpoint is None:
         checkpoint = Checkpoint.open(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
-    state_dict = read_block_state_dict(checkpoint, config, block_index)
+    state_dict = read_block_state_dict(checkpoint, config, block_index, dtype)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     with torch.device("meta"):

@@ -8,8 +8,6 @@ from petals.kv_cache import PagedCache
 class BloomServerBlock(ServerBlockMixin, BloomBlock):
     """One BLOOM block; ALiBi biases span the cached plus the new tokens of each row."""
 
-    attn_implementation = "eager"  # what transformers picks for BLOOM
-
     def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
         keys = self.attention_mask(hidden_states, cache)  # a merged cache's padding gets no ALiBi position
         alibi = build_alibi_tensor(keys, self.config.n_head, hidden_states.dtype)

@@ -5,6 +5,7 @@ from petals.config import DistributedConfigMixin, LazyClass
 
 class DistributedFalconConfig(DistributedConfigMixin, FalconConfig):
     block_class = LazyClass("petals_falcon.block:FalconBlock")
+    attn_class = LazyClass("transformers.models.falcon.modeling_falcon:FalconAttention")
     block_prefix = "transformer.h"
     block_output_is_tuple = True
     default_pad_token_id = 0

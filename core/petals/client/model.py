@@ -37,6 +37,7 @@ from transformers import (
 
 from petals import tracing
 from petals.auto import AutoDistributedConfig
+from petals.checkpoint_formats import dequantize_tensors, with_companions
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
@@ -297,7 +298,8 @@ class DistributedModelMixin:
             name: _checkpoint_key(name, checkpoint.weight_map, self.base_model_prefix) for name in wanted
         }
         found = {name: key for name, key in found.items() if key is not None}
-        tensors = checkpoint.read(sorted(set(found.values())))
+        keys = with_companions(self.config, sorted(set(found.values())), checkpoint.weight_map)
+        tensors = dequantize_tensors(self.config, checkpoint.read(keys), dtype)
         self._assign_local_tensors({name: _cast(tensors[key], dtype) for name, key in found.items()}, dtype)
 
     def _assign_local_tensors(

@@ -3,7 +3,7 @@
 Each family's plugin gives the sharding plan (``tensor_parallel_config`` hook): attention split
 by whole key/value groups, MLPs (and experts) by columns then rows, row-parallel outputs summed
 across shards. ``TensorParallelBlock`` runs the shards side by side, each with its own
-``BlockCache`` holding only its heads (pages of a pool per shard on a server), through ``tensor_parallel``'s thread-parallel apply (its
+session cache holding only its heads (pages of a pool per shard on a server), through ``tensor_parallel``'s thread-parallel apply (its
 built-in KV-cache handling shares one cache between shards, which is wrong, so it is not used).
 """
 
@@ -16,24 +16,29 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from petals.block import kv_cache_layout
-from petals.kv_cache import BlockCache, KVCacheLayout, PagedCache, PagePool
+from petals.block import cache_spec
+from petals.kv_cache import AttentionCache, PagedCache
 from petals.plugins import get_plugin_manager
 
 
-class ShardedCache(Sequence[BlockCache]):
-    """One session's cache of a sharded block: a ``BlockCache`` per shard, used like one ``BlockCache``
-    (grown, rewound, reordered, merged with other sessions' and released together)."""
+class ShardedCache(Sequence[AttentionCache]):
+    """One session's cache of a sharded block: a session cache per shard, used like one
+    (``petals.kv_cache.SessionCache``: grown, rewound, reordered, merged with other sessions' and
+    released together)."""
 
-    def __init__(self, shards: Sequence[BlockCache | PagedCache]) -> None:
+    def __init__(self, shards: Sequence[AttentionCache | PagedCache]) -> None:
         self.shards = list(shards)
 
     @staticmethod
     def merged(caches: Sequence[ShardedCache]) -> ShardedCache:
         """Several sessions' caches of this block, shard by shard, for one forward."""
         return ShardedCache(
-            BlockCache.merged([cache.shards[rank] for cache in caches]) for rank in range(len(caches[0]))
+            type(caches[0].shards[rank]).merged([cache.shards[rank] for cache in caches])
+            for rank in range(len(caches[0]))
         )
+
+    def view(self) -> ShardedCache:
+        return ShardedCache.merged([self])
 
     def __getitem__(self, index):
         return self.shards[index]
@@ -76,7 +81,8 @@ class TensorParallelBlock(nn.Module):
         import tensor_parallel as tp
 
         self.devices = [torch.device(device) for device in devices]
-        self.shard_layout = shard_cache_layout(kv_cache_layout(config), len(self.devices))
+        # what each shard caches: refuses, in one line, heads that do not split over the devices
+        self.shard_spec = cache_spec(config, getattr(block, "block_index", 0)).sharded(len(self.devices))
         plan = (
             get_plugin_manager()
             .family_hooks(config)
@@ -94,22 +100,6 @@ class TensorParallelBlock(nn.Module):
     @property
     def shards(self) -> nn.ModuleList:
         return self.module.module_shards
-
-    def allocate_caches(
-        self, batch_size: int, max_length: int, dtype: torch.dtype = torch.float32
-    ) -> ShardedCache:
-        """One standalone cache per shard, on its device, holding that shard's key/value heads."""
-        return ShardedCache(
-            BlockCache(self.shard_layout, batch_size, max_length, dtype, device) for device in self.devices
-        )
-
-    def make_pools(self, num_pages: int, page_tokens: int, dtype: torch.dtype) -> list[PagePool]:
-        """A page pool per shard, on its device, for that shard's key/value heads."""
-        return [PagePool(self.shard_layout, num_pages, page_tokens, dtype, device) for device in self.devices]
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Keys and values of one token over all shards (a multi-query head is copied on each)."""
-        return len(self.devices) * self.shard_layout.bytes_per_token(dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, caches: Sequence[PagedCache] | None = None
@@ -129,22 +119,6 @@ def make_tensor_parallel(
 ) -> TensorParallelBlock:
     """Shard ``block`` over ``devices`` (e.g. ``["cuda:0", "cuda:1"]``; ``["cpu", "cpu"]`` in tests)."""
     return TensorParallelBlock(block, config, devices)
-
-
-def shard_cache_layout(layout: KVCacheLayout, world_size: int) -> KVCacheLayout:
-    """What one of ``world_size`` shards caches: its share of key/value groups.
-
-    A single shared key/value head (multi-query attention) cannot be split: every shard keeps a
-    copy, so the shards' caches then total ``world_size`` times the unsharded layout.
-    """
-    if layout.num_query_heads % world_size:
-        raise ValueError(f"{layout.num_query_heads} attention heads do not split over {world_size} devices")
-    num_query_heads = layout.num_query_heads // world_size
-    if layout.num_kv_heads == 1:
-        return KVCacheLayout(1, layout.head_dim, num_query_heads)
-    if layout.num_kv_heads % world_size:
-        raise ValueError(f"{layout.num_kv_heads} key/value heads do not split over {world_size} devices")
-    return KVCacheLayout(layout.num_kv_heads // world_size, layout.head_dim, num_query_heads)
 
 
 def split_heads_of_batch(tensor: torch.Tensor | None, *, rank: int, num_heads: int, world_size: int):
@@ -174,14 +148,17 @@ def projection_attention_rules(
     """
     from tensor_parallel.state_actions import Scale, SplitInChunks
 
-    layout = kv_cache_layout(config)
-    queries = layout.group_size * layout.head_dim
+    spec = cache_spec(config, 0)
+    queries = spec.group_size * spec.key_dim
     rules = {
         rf".*{attention}\.q_proj\.(weight|bias)$": SplitInChunks(world_size, dim=0, chunk_size=queries),
-        rf".*{attention}\.(k|v)_proj\.(weight|bias)$": SplitInChunks(
-            world_size, dim=0, chunk_size=layout.head_dim
+        rf".*{attention}\.k_proj\.(weight|bias)$": SplitInChunks(world_size, dim=0, chunk_size=spec.key_dim),
+        rf".*{attention}\.v_proj\.(weight|bias)$": SplitInChunks(
+            world_size, dim=0, chunk_size=spec.value_dim
         ),
-        rf".*{attention}\.o_proj\.weight$": SplitInChunks(world_size, dim=1, chunk_size=queries),
+        rf".*{attention}\.o_proj\.weight$": SplitInChunks(
+            world_size, dim=1, chunk_size=spec.group_size * spec.value_dim
+        ),
     }
     if getattr(config, "attention_bias", False):
         rules[rf".*{attention}\.o_proj\.bias$"] = Scale(world_size)  # added once after the sum

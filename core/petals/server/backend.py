@@ -8,7 +8,8 @@ back to CPU in the server's dtype. Deep prompts ``[B|1, pre_len, H]`` are added 
 A block's module is what ``petals.convert.convert_block`` made of it: plain, quantized, with LoRA
 adapters (a request's ``active_adapter`` picks one: ``with_adapter``), or a ``TensorParallelBlock``
 whose sessions hold one cache per shard. Sessions' caches take pages from the block's pools
-(``make_pools``: one, or one per shard), which the server's ``CacheBudget`` owns.
+(``make_pools``: one, or one per shard; sequence states for linear attention), which the server's
+``CacheBudget`` owns.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from petals.block import allocate_cache, kv_cache_layout
+from petals.block import cache_spec
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
-from petals.kv_cache import BlockCache, PagedCache, PagePool
+from petals.kv_cache import CacheSpec, PagedCache, PagePool, SessionCache, StatePool, manager_for, open_cache
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,36 @@ class BlockBackend:
         """The same block computing with LoRA adapter ``adapter`` (None: the base model)."""
         return dataclasses.replace(self, adapter=adapter or None)
 
+    @functools.cached_property
+    def cache_spec(self) -> CacheSpec:
+        """What this block caches per session (the family's ``cache_spec`` hook), checked to be served."""
+        spec = cache_spec(self.config, self.index)
+        manager_for(spec, f"block {self.index}")  # one line now, not at the first session
+        return spec
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the block is split over devices (its sessions hold one cache per shard)."""
+        return isinstance(self.module, TensorParallelBlock)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Where this block's cache lives: one device, or one per tensor-parallel shard."""
+        return list(self.module.devices) if self.sharded else [self.device]
+
+    @property
+    def shard_specs(self) -> list[CacheSpec]:
+        """What each tensor-parallel shard caches (one entry without tensor parallelism)."""
+        return [self.module.shard_spec] * len(self.devices) if self.sharded else [self.cache_spec]
+
     @property
     def bytes_per_token(self) -> int:
-        """KV-cache bytes of one token in this block, as allocated (all shards together)."""
-        if isinstance(self.module, TensorParallelBlock):
-            return self.module.bytes_per_token(self.dtype)
-        return kv_cache_layout(self.config).bytes_per_token(self.dtype)
+        """Cache bytes of one token in this block, as allocated (all shards together)."""
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.shard_specs)
+
+    def tokens_held(self, length: int) -> int:
+        """The most tokens one sequence of ``length`` tokens holds in this block's cache."""
+        return self.cache_spec.tokens_held(length)
 
     def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         # no_grad, not inference_mode: rpc_backward recomputes its blocks' inputs with this, and
@@ -122,25 +147,28 @@ class BlockBackend:
         with using_adapter(self.module, self.adapter) as module:
             return module(self._input(hidden, prompt), cache)
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> BlockCache | ShardedCache:
+    def allocate_cache(self, batch_size: int, max_length: int) -> SessionCache:
         """A standalone cache holding ``max_length`` tokens up front (for measurements)."""
-        if isinstance(self.module, TensorParallelBlock):
-            return self.module.allocate_caches(batch_size, max_length, self.dtype)
-        return allocate_cache(self.config, batch_size, max_length, self.dtype, self.device)
+        caches = [
+            open_cache(spec, batch_size, max_length, self.dtype, device, layer_index=self.index)
+            for spec, device in zip(self.shard_specs, self.devices, strict=True)
+        ]
+        return ShardedCache(caches) if self.sharded else caches[0]
 
-    def make_pools(self, num_pages: int, page_tokens: int) -> list[PagePool]:
-        """The page pools this block's sessions share (one per tensor-parallel shard)."""
-        if isinstance(self.module, TensorParallelBlock):
-            return self.module.make_pools(num_pages, page_tokens, self.dtype)
-        layout = kv_cache_layout(self.config)
-        return [PagePool(layout, num_pages, page_tokens, self.dtype, self.device)]
+    def make_pools(self, tokens: int, page_tokens: int) -> list[PagePool | StatePool]:
+        """The pools this block's sessions share (one per tensor-parallel shard), each of its kind's making
+        for a budget of ``tokens`` tokens: pages of ``page_tokens`` tokens, or sequence states."""
+        return [
+            manager_for(spec).make_pool(spec, tokens, page_tokens, self.dtype, device)
+            for spec, device in zip(self.shard_specs, self.devices, strict=True)
+        ]
 
-    def open_cache(
-        self, pools: list[PagePool], batch_size: int, max_length: int
-    ) -> BlockCache | ShardedCache:
+    def open_cache(self, pools: list[PagePool | StatePool], batch_size: int, max_length: int) -> SessionCache:
         """A session's cache on ``pools`` (from ``make_pools``): it takes pages as it grows."""
-        caches = [BlockCache.paged(pool, batch_size, max_length) for pool in pools]
-        return ShardedCache(caches) if isinstance(self.module, TensorParallelBlock) else caches[0]
+        caches = [
+            open_cache(pool.spec, batch_size, max_length, pool=pool, layer_index=self.index) for pool in pools
+        ]
+        return ShardedCache(caches) if self.sharded else caches[0]
 
     def _input(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)

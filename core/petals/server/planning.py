@@ -36,12 +36,15 @@ def resolve_settings(settings: ServerSettings) -> ServerSettings:
     """Decide every default left open; measures the throughput unless a number was given.
 
     Raises ``SettingError`` for a setting that cannot work with this model or machine,
-    ``ValueError`` when not even one block fits, ``ModuleNotFoundError`` when an optional package
+    ``ValueError`` when not even one block fits or the checkpoint's quantization format is unknown,
+    ``ModuleNotFoundError`` when an optional package
     that the settings need is missing, and what loading the config or the adapters raises.
     """
+    from petals.checkpoint_formats import checkpoint_format
     from petals.server.throughput import resolve_throughput
 
     config = settings.load_config()
+    checkpoint_format(config)  # a release in a format petals cannot read stops here, before it announces
     tensor_parallel_devices = tuple(
         parse_device(device, "tensor_parallel_devices") for device in settings.tensor_parallel_devices
     )
@@ -135,9 +138,9 @@ def choose_quant_type(
 
 def default_limits(config: PretrainedConfig) -> ModelLimits:
     """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA)."""
-    from petals.block import kv_cache_layout
+    from petals.block import cache_spec
 
-    return GROUPED_KV_LIMITS if kv_cache_layout(config).group_size > 1 else FULL_KV_LIMITS
+    return GROUPED_KV_LIMITS if getattr(cache_spec(config, 0), "group_size", 1) > 1 else FULL_KV_LIMITS
 
 
 def choose_limits(settings: ServerSettings, config: PretrainedConfig) -> dict[str, int]:
@@ -227,13 +230,14 @@ def plan_num_blocks(
     """How many blocks fit in device memory, and the arithmetic behind it (also logged).
 
     Per block: weights after quantization + a KV cache of ``attn_cache_tokens`` tokens (exact
-    key/value heads, so grouped-query attention counts) + LoRA adapters. Reserved once: 2 GiB per
+    key/value heads, so grouped-query attention counts; a linear-attention block's states for as many
+    sequences as its kind keeps for that budget) + LoRA adapters. Reserved once: 2 GiB per
     device for autograd, scaled by hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
     With tensor parallelism the devices' memories add up (counted as ``n * min``).
     ``memory_bytes`` overrides the measured total. Capped at the model's number of blocks.
     ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose.
     """
-    from petals.block import kv_cache_layout
+    from petals.block import cache_spec
     from petals.convert import estimate_block_weight_bytes
 
     devices = [torch.device(d) for d in tensor_parallel_devices] or [torch.device(device)]
@@ -242,7 +246,11 @@ def plan_num_blocks(
     if memory_bytes is None:
         memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
     weights = estimate_block_weight_bytes(config, dtype, quant_type)
-    cache = attn_cache_tokens * kv_cache_layout(config).bytes_per_token(dtype)
+    # the largest block's cache: a pool of attn_cache_tokens tokens for every block, of its own kind
+    cache = max(
+        cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype)
+        for index in range(config.num_hidden_layers)
+    )
     adapters = adapter_bytes_per_block(config, adapter_files)
     per_block = weights + cache + adapters
     autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)

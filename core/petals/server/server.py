@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 import petals
+from petals.checkpoint_formats import checkpoint_format
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import (
@@ -288,6 +289,13 @@ class ServingSpan:
             revision=self.settings.revision,
             max_disk_space=self.settings.max_disk_space,
         )
+        stored_as = checkpoint_format(self.server.config)
+        if stored_as is not None:
+            logger.info(
+                "%s checkpoint dequantized to %s on cpu as its blocks load",
+                stored_as.name,
+                str(self.settings.dtype).removeprefix("torch."),
+            )
         backends = []
         hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
         started, loaded_bytes = time.perf_counter(), 0

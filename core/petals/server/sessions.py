@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from petals.convert import ShardedCache
-from petals.kv_cache import BlockCache, CacheOverflowError, OutOfPagesError
+from petals.kv_cache import CacheOverflowError, OutOfPagesError, SessionCache
 from petals.server.backend import BlockBackend
 from petals.tracing import NO_TRACE, StepTrace
 from petals.wire_errors import WireError, shown
@@ -30,7 +29,7 @@ class ServerInferenceSession:
 
     session_id: str
     backends: list[BlockBackend]
-    caches: list[BlockCache | ShardedCache]
+    caches: list[SessionCache]
     batch_size: int
     max_length: int
     # requests from the client's stream and from pushes, with their arrival (perf_counter, when tracing);
@@ -82,7 +81,7 @@ class ServerInferenceSession:
             cache.reserve(new_tokens)
 
     def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        return self.backends[index].inference_step(hidden, prompt, self.caches[index])
+        return self.backends[index].inference_step(hidden, prompt, self.caches[index].view())
 
     def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
         with torch.inference_mode():
@@ -133,7 +132,7 @@ def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[
             for block, backend in enumerate(batch[0].session.backends):
                 started = time.perf_counter() if traces else 0.0
                 caches = [step.session.caches[block] for step in batch]
-                hidden = backend.inference_step(hidden, None, caches[0].merged(caches))
+                hidden = backend.inference_step(hidden, None, type(caches[0]).merged(caches))
                 _record_block(traces, backend, started)
         outputs = hidden.cpu().split([step.hidden.shape[0] for step in batch])
     else:

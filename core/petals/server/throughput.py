@@ -141,10 +141,10 @@ def measure_compute_rps(backend: BlockBackend, *, inference: bool) -> float:
     if inference:
         cache = backend.allocate_cache(1, INFERENCE_STEPS + 1)
         step = torch.randn(1, 1, hidden_size, dtype=dtype, device=device)
-        backend.inference_step(step, None, cache)  # warm-up
+        backend.inference_step(step, None, cache.view())  # warm-up
         started = _now(device)
         for _ in range(INFERENCE_STEPS):
-            backend.inference_step(step, None, cache)
+            backend.inference_step(step, None, cache.view())
         return INFERENCE_STEPS / (_now(device) - started)
     hidden = torch.randn(1, FORWARD_TOKENS, hidden_size, dtype=dtype, device=device)
     backend.forward(hidden, None)  # warm-up

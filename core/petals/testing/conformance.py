@@ -8,20 +8,30 @@ only:
    that extends the family's HF config and ``DistributedConfigMixin``;
 2. prefix rules: ``AutoDistributedConfig.from_pretrained`` on the saved directory derives a valid
    ``dht_prefix`` from the folder name through the hook, and an explicit ``dht_prefix`` wins;
-3. KV sizing: a block's cache holds exactly ``layout.bytes_per_token(dtype)`` bytes per token;
+3. cache sizing: every block's ``cache_spec`` (the hook, or core's default) is a kind the server
+   serves, its widths are what the layer really caches (a mismatch fails the first step), and a
+   cache holds exactly its spec's bytes per token for the tokens its kind keeps (a sliding window
+   ends holding no more than its window and margin, however long the session);
 4. exactness (fp32): logits of the full transformers model equal embeddings → blocks loaded one by
-   one with ``load_block`` → head, without a cache and through a prefill, single-token steps and a
-   multi-token step, with the blocks split over two independent sets of caches as two servers
-   would hold them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``);
+   one with ``load_block`` (each its real layer index) → head, without a cache and through a
+   prefill, single-token steps and a multi-token step, past every sliding window the config
+   declares, with the blocks split over two independent sets of caches as two servers would hold
+   them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``);
 5. batching (fp32): sessions of different lengths and batch sizes, starting at different times, with
    their caches in pages of one shared pool per block, run their steps merged into one forward per
    block, and each session's outputs equal its own solo run (including a reorder and a rewind).
+
+On a mismatch the message names the attention and experts implementations of the blocks and of the
+reference model: a block that computes with another implementation than transformers' full model
+(sdpa where the model runs eager, say) differs by more than float rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +40,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from petals.auto import AutoDistributedConfig
-from petals.block import allocate_cache, kv_cache_layout
+from petals.block import cache_spec
 from petals.config import DistributedConfigMixin, validate_dht_prefix
-from petals.kv_cache import BlockCache, PagePool
+from petals.kv_cache import PAGE_TOKENS, CacheSpec, SlidingWindowSpec, manager_for, open_cache
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -56,6 +66,15 @@ class StepSchedule:
     def max_length(self) -> int:
         return sum(self.step_lengths) + 2  # + the reordered step and its replay
 
+    def past(self, window: int) -> StepSchedule:
+        """This schedule with a prefill long enough that its single steps slide past ``window``."""
+        return dataclasses.replace(self, prefill_length=max(self.prefill_length, window + PAGE_TOKENS + 2))
+
+
+# the kit's caches keep one token beyond a sliding window (the server keeps REWIND_MARGIN): pages fall
+# out of the window within a few steps, and a one-token rewind is still possible
+KIT_REWIND_MARGIN = 1
+
 
 @dataclass
 class ConformanceReport:
@@ -63,7 +82,7 @@ class ConformanceReport:
 
     model_type: str
     dht_prefix: str
-    cache_bytes_per_token: int
+    cache_specs: list[CacheSpec]
     max_abs_diff: dict[str, float] = field(default_factory=dict)
     merged_sessions_diff: float | None = None  # the largest output difference, merged vs solo sessions
 
@@ -107,25 +126,51 @@ def check_family(
         AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
     )
 
-    layout = kv_cache_layout(distributed)
-    cache = allocate_cache(distributed, schedule.batch_size, schedule.max_length)
-    expected_bytes = layout.bytes_per_token(torch.float32) * schedule.batch_size * schedule.max_length
-    assert cache.nbytes == expected_bytes, (
-        f"cache holds {cache.nbytes} bytes, the layout says {expected_bytes}"
-    )
+    specs = [_kit_spec(cache_spec(distributed, index)) for index in range(config.num_hidden_layers)]
+    for index, spec in enumerate(specs):
+        manager_for(spec, f"{config.model_type} block {index}")
+    windows = [spec.window for spec in specs if isinstance(spec, SlidingWindowSpec)]
+    if windows:
+        schedule = schedule.past(max(windows))
 
     blocks = [load_block(path, i, torch.float32, config=distributed) for i in range(config.num_hidden_layers)]
-    report = ConformanceReport(
-        config.model_type, distributed.dht_prefix, layout.bytes_per_token(torch.float32)
-    )
-    _check_exactness(reference, distributed, blocks, report, schedule)
-    _check_merged_sessions(distributed, blocks, report, schedule)
+    report = ConformanceReport(config.model_type, distributed.dht_prefix, specs)
+    _check_exactness(reference, distributed, blocks, specs, report, schedule)
+    _check_merged_sessions(distributed, blocks, specs, report, schedule)
     return report
+
+
+def _kit_spec(spec: CacheSpec) -> CacheSpec:
+    if isinstance(spec, SlidingWindowSpec):
+        return dataclasses.replace(spec, rewind_margin=KIT_REWIND_MARGIN)
+    return spec
+
+
+def _open_caches(specs: list[CacheSpec], batch_size: int, max_length: int, **kwargs) -> list:
+    return [
+        open_cache(spec, batch_size, max_length, layer_index=index, **kwargs)
+        for index, spec in enumerate(specs)
+    ]
+
+
+def _implementations(model: torch.nn.Module | PretrainedConfig) -> str:
+    config = getattr(model, "config", model)
+    return (
+        f"attention {getattr(config, '_attn_implementation', None)}, "
+        f"experts {getattr(config, '_experts_implementation', None)}"
+    )
 
 
 def _save_random_model(config: PretrainedConfig, path: Path, seed: int) -> PreTrainedModel:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            # a state-space or linear-attention head decays its state by exp(-exp(A_log) ...) a token, and
+            # random A_log forgets within a token or two: a state served wrong would hardly show. Slow decay
+            # keeps the session's history in the state, so the kit sees a wrong one
+            if name.endswith("A_log"):
+                parameter.fill_(math.log(0.01))
     model.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -137,12 +182,12 @@ class _TwoServers(torch.nn.Module):
         super().__init__()
         self.blocks = blocks  # a plain list: not registered, so the HF model's state is untouched
         self.output_is_tuple = output_is_tuple
-        self.caches: list[BlockCache] | None = None
+        self.caches: list | None = None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         caches = self.caches if self.caches is not None else [None] * len(self.blocks)
         for block, cache in zip(self.blocks, caches, strict=True):
-            hidden_states = block(hidden_states, cache)
+            hidden_states = block(hidden_states, cache.view() if cache is not None else None)
         return (hidden_states, None) if self.output_is_tuple else hidden_states
 
 
@@ -162,6 +207,7 @@ def _check_exactness(
     reference: PreTrainedModel,
     config: PretrainedConfig,
     blocks: list[torch.nn.Module],
+    specs: list[CacheSpec],
     report: ConformanceReport,
     schedule: StepSchedule,
 ) -> None:
@@ -176,7 +222,10 @@ def _check_exactness(
         assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
         diff = (got - expected).abs().max().item()
         report.max_abs_diff[name] = diff
-        assert diff <= atol, f"{config.model_type} {name}: max |logits diff| {diff:.3g} > {atol}"
+        assert diff <= atol, (
+            f"{config.model_type} {name}: max |logits diff| {diff:.3g} > {atol} (blocks: "
+            f"{_implementations(blocks[0])}; transformers' model: {_implementations(reference)})"
+        )
 
     def ours(input_ids: torch.Tensor) -> torch.Tensor:
         with _layers_replaced(reference, config.block_prefix, chain):
@@ -192,13 +241,14 @@ def _check_exactness(
         )
 
         reference_cache = DynamicCache(config=reference.config)
-        server_caches = [allocate_cache(config, batch_size, schedule.max_length) for _ in blocks]
+        server_caches = _open_caches(specs, batch_size, schedule.max_length)
         assert {id(c) for c in server_caches[:half]}.isdisjoint(id(c) for c in server_caches[half:])
         chain.caches = server_caches
         for index, input_ids in enumerate(inputs):
             expected = reference(input_ids=input_ids, cache=reference_cache, use_cache=True).logits
             compare(f"step {index} ({input_ids.shape[1]} tokens)", expected, ours(input_ids))
         assert all(cache.position == sum(steps) for cache in server_caches)
+        _check_held(config, specs, server_caches)
 
         # beam search: servers reorder their caches by hypo_ids, as transformers reorders its cache
         hypo_ids = torch.arange(batch_size - 1, -1, -1)
@@ -213,6 +263,26 @@ def _check_exactness(
         for cache in server_caches:
             cache.rewind(cache.position - 1)
         compare("step replayed after rewind", expected, ours(next_ids))
+
+
+def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) -> None:
+    """Each cache holds what its kind keeps: its spec's bytes per token and per sequence, for no more
+    tokens than it keeps (a pool's page is a page of tokens, or one sequence's state)."""
+    dtype = torch.float32
+    for index, (spec, cache) in enumerate(zip(specs, caches, strict=True)):
+        pool, name = cache.pool, f"{config.model_type} block {index} ({spec.describe()})"
+        page = pool.page_tokens * spec.bytes_per_token(dtype) + spec.bytes_per_sequence(dtype)
+        assert pool.page_nbytes == page and pool.nbytes == pool.num_pages * page, (
+            f"{name}: its pool holds {pool.nbytes} bytes in {pool.num_pages} pages of {pool.page_nbytes}; its spec "
+            f"says pages of {page} bytes"
+        )
+        tokens = pool.max_pages(cache.position) * pool.page_tokens
+        most = spec.bytes_per_sequence(dtype) + tokens * spec.bytes_per_token(dtype)
+        per_sequence = cache.nbytes // cache.num_sequences
+        assert per_sequence <= most, (
+            f"{name}: holds {per_sequence} bytes per sequence after {cache.position} tokens; its kind keeps at most "
+            f"{most}"
+        )
 
 
 @dataclass(frozen=True)
@@ -245,6 +315,7 @@ def _merged_schedule(hidden_size: int, seed: int) -> list[dict[int, _Step]]:
 def _check_merged_sessions(
     config: PretrainedConfig,
     blocks: list[torch.nn.Module],
+    specs: list[CacheSpec],
     report: ConformanceReport,
     schedule: StepSchedule,
 ) -> None:
@@ -254,13 +325,22 @@ def _check_merged_sessions(
     with torch.no_grad():
         for steps in sessions:
             batch_size = next(iter(steps.values())).hidden.shape[0]
-            caches = [allocate_cache(config, batch_size, max_length) for _ in blocks]
+            caches = _open_caches(specs, batch_size, max_length)
             solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
 
-        layout = kv_cache_layout(config)
-        pools = [PagePool(layout, num_pages=40, page_tokens=3) for _ in blocks]  # steps cross page edges
+        # small pages (steps cross page edges), room for every session's sequences of every kind
+        pools = [manager_for(spec).make_pool(spec, 2048, 3, torch.float32, "cpu") for spec in specs]
         caches = [
-            [BlockCache.paged(pool, next(iter(steps.values())).hidden.shape[0], max_length) for pool in pools]
+            [
+                open_cache(
+                    pool.spec,
+                    next(iter(steps.values())).hidden.shape[0],
+                    max_length,
+                    pool=pool,
+                    layer_index=i,
+                )
+                for i, pool in enumerate(pools)
+            ]
             for steps in sessions
         ]
         worst = 0.0
@@ -270,7 +350,7 @@ def _check_merged_sessions(
                 group = [index for index in running if sessions[index][tick].hidden.shape[1] == length]
                 outputs = _run_step(blocks, [caches[i] for i in group], [sessions[i][tick] for i in group])
                 for index, output in zip(
-                    group, outputs.split([len(caches[i][0].tables) for i in group]), strict=True
+                    group, outputs.split([caches[i][0].num_sequences for i in group]), strict=True
                 ):
                     diff = (output - solo[index][tick]).abs().max().item()
                     worst = max(worst, diff)
@@ -285,9 +365,7 @@ def _check_merged_sessions(
         assert all(pool.free_pages == pool.num_pages for pool in pools), "released caches kept pages"
 
 
-def _run_step(
-    blocks: list[torch.nn.Module], session_caches: list[list[BlockCache]], steps: list[_Step]
-) -> torch.Tensor:
+def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
     """One step of each session (the same number of new tokens), all in one forward per block."""
     for caches, step in zip(session_caches, steps, strict=True):
         for cache in caches:
@@ -297,5 +375,6 @@ def _run_step(
                 cache.reorder(step.hypo_ids)
     hidden = torch.cat([step.hidden for step in steps])
     for index, block in enumerate(blocks):
-        hidden = block(hidden, BlockCache.merged([caches[index] for caches in session_caches]))
+        members = [caches[index] for caches in session_caches]
+        hidden = block(hidden, type(members[0]).merged(members))
     return hidden

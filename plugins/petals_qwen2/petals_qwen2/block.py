@@ -5,6 +5,6 @@ from petals.block import RotaryBlockMixin
 
 class Qwen2Block(RotaryBlockMixin, Qwen2DecoderLayer):
     """A Qwen2 layer: Llama-like with q/k/v biases; sliding-window attention on some layers
-    (core keeps each block's own entry of ``layer_types``)."""
+    (``layer_types``: each block is its own layer, with its own kind of cache)."""
 
     rotary_class = Qwen2RotaryEmbedding

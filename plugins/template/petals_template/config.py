@@ -17,4 +17,5 @@ AutoConfig.register(TemplateConfig.model_type, TemplateConfig)  # only a made-up
 class DistributedTemplateConfig(DistributedConfigMixin, TemplateConfig):
     # LazyClass: the torch modeling code is imported only when a server builds a block
     block_class = LazyClass("petals_template.block:TemplateBlock")
+    attn_class = LazyClass("transformers.models.mistral.modeling_mistral:MistralAttention")
     block_prefix = "model.layers"  # where the layer list lives in the causal LM's state dict

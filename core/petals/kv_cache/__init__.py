@@ -1,0 +1,137 @@
+"""The cache a server keeps for its blocks: a spec per cache kind, and one manager per kind.
+
+Each block's cache is described by a spec (``petals.kv_cache.specs``: full attention with keys and
+values of their own widths, sliding window, chunked), which a family's ``cache_spec`` hook returns
+(core's default reads transformers' own per-layer kinds). ``MANAGERS`` picks the class that keeps
+one session's cache of that kind; all of them follow one protocol (``SessionCache``), which the
+engine, the sessions and tensor-parallel shards use without asking which kind they hold:
+
+* ``position``, ``nbytes``; ``reserve(new_tokens)`` before a step, ``rewind(position)``,
+  ``reorder(hypo_ids)``, ``release()``;
+* ``merged(caches)`` / ``view()``: the transformers ``Cache`` a block's forward is given, over one
+  or several sessions' rows (``PagedCache``, ``StateCache``), answering for the block's own layer index;
+* ``make_pool(spec, tokens, page_tokens, dtype, device)``: a block's memory for its sessions, sized
+  from the server's per-block token budget.
+
+Attention kinds keep keys and values in fixed-size pages from one ``PagePool`` per block, taken as
+sessions grow and given back when they rewind, slide past their window or end, so memory is held
+for the tokens a kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
+a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from petals.kv_cache.attention import (
+    AttentionCache,
+    PagedCache,
+    PagedLayer,
+    RowsCache,
+    SlidingWindowCache,
+    check_hypo_ids,
+)
+from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, OutOfPagesError, PagePool
+from petals.kv_cache.specs import (
+    REWIND_MARGIN,
+    REWIND_STEPS,
+    TOKENS_PER_SEQUENCE,
+    CacheSpec,
+    ChunkedAttentionSpec,
+    FullAttentionSpec,
+    LinearAttentionSpec,
+    SlidingWindowSpec,
+    UnservedSpec,
+    describe_block,
+)
+from petals.kv_cache.states import LinearAttentionState, StateCache, StatePool
+
+# the manager of each kind (exact spec type): adding a kind is a spec, a manager and a row here
+MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState]] = {
+    FullAttentionSpec: AttentionCache,
+    SlidingWindowSpec: SlidingWindowCache,
+    ChunkedAttentionSpec: SlidingWindowCache,
+    LinearAttentionSpec: LinearAttentionState,
+}
+
+
+class UnservedCacheKindError(NotImplementedError):
+    """A block's cache kind has no manager in petals-core yet."""
+
+
+class SessionCache(Protocol):
+    """What the engine needs of one session's cache of one block, whatever its kind (or shards)."""
+
+    @property
+    def position(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def reserve(self, new_tokens: int) -> None: ...
+    def rewind(self, position: int) -> None: ...
+    def reorder(self, hypo_ids: torch.Tensor) -> None: ...
+    def release(self) -> None: ...
+    def view(self): ...
+
+
+def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache]:
+    """The manager class of ``spec``'s kind, or one line saying the kind is not served."""
+    manager = MANAGERS.get(type(spec))
+    if manager is None:
+        served = ", ".join(sorted({kind.kind.replace("_", " ") for kind in MANAGERS}))
+        raise UnservedCacheKindError(
+            f"{block} is a {spec.describe()} layer, which petals-core cannot cache yet (it serves {served}); "
+            "serve other blocks, or a plugin may return a served kind from its cache_spec hook"
+        )
+    return manager
+
+
+def open_cache(
+    spec: CacheSpec,
+    batch_size: int,
+    max_length: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    pool: PagePool | StatePool | None = None,
+    layer_index: int = 0,
+) -> SessionCache:
+    """One session's cache of a block of kind ``spec``: on ``pool``, or standalone (all of ``max_length``
+    up front: tests and measurements)."""
+    manager = manager_for(spec, f"block {layer_index}")
+    if pool is not None:
+        return manager.paged(pool, batch_size, max_length, layer_index)
+    return manager(spec, batch_size, max_length, dtype, device, layer_index=layer_index)
+
+
+__all__ = [
+    "MANAGERS",
+    "PAGE_TOKENS",
+    "REWIND_MARGIN",
+    "REWIND_STEPS",
+    "TOKENS_PER_SEQUENCE",
+    "AttentionCache",
+    "CacheOverflowError",
+    "CacheSpec",
+    "ChunkedAttentionSpec",
+    "FullAttentionSpec",
+    "LinearAttentionSpec",
+    "LinearAttentionState",
+    "OutOfPagesError",
+    "PagePool",
+    "PagedCache",
+    "PagedLayer",
+    "RowsCache",
+    "SessionCache",
+    "SlidingWindowCache",
+    "SlidingWindowSpec",
+    "StateCache",
+    "StatePool",
+    "UnservedCacheKindError",
+    "UnservedSpec",
+    "check_hypo_ids",
+    "describe_block",
+    "manager_for",
+    "open_cache",
+]

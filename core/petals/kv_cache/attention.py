@@ -1,0 +1,465 @@
+"""The managers of attention caches: one session's pages of one block, per kind.
+
+``AttentionCache`` (full attention) keeps every token: a page table per sequence over the block's
+``PagePool``, pages taken as the session grows and given back when it rewinds or ends.
+``SlidingWindowCache`` (sliding and chunked attention) also gives back the pages that fell out of
+its window after each step, so it holds at most ``window - 1`` tokens plus a rewind margin.
+
+A forward sees one or more sessions' caches of a block through ``PagedCache``, a transformers
+``Cache`` that answers for the block's own layer index: Hugging Face layers call
+``cache.update(key, value, layer_idx)`` exactly as inside the full model. ``update`` writes the new
+keys and values into each sequence's pages and hands the layer every row's visible keys and
+values, right-aligned and left-padded to the longest row; ``position_ids`` and ``attention_mask``
+tell the block each row's positions and which key slots are padding, so rows at different
+positions share one batched attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+
+from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, PagePool
+from petals.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec
+
+_UNKNOWN = object()
+
+
+class AttentionCache:
+    """The full-attention cache of one block in one session: page tables over a pool, rewindable,
+    reorderable for beams. Without a pool it is standalone and takes its whole ``max_length`` up front
+    (tests, measurements); a server opens its sessions' caches on the block's pool with ``paged``."""
+
+    def __init__(
+        self,
+        spec: FullAttentionSpec,
+        batch_size: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        pool: PagePool | None = None,
+        layer_index: int = 0,
+    ) -> None:
+        standalone = pool is None
+        if pool is None:  # a pool of its own, the whole max_length up front: one page per sequence, or
+            # small pages for a kind that gives back what it no longer needs
+            length = max(max_length, 1)
+            page_tokens = length if spec.tokens_held(length) >= length else PAGE_TOKENS
+            pages = max(batch_size, 1) * -(-length // page_tokens)
+            pool = PagePool(spec, pages, page_tokens, dtype, device)
+        self.pool, self.spec, self.layer_index = pool, spec, layer_index
+        self.num_sequences, self.max_length = batch_size, max_length
+        self.length = 0
+        self.dropped = 0  # pages at the start of every row given back (a sliding window's)
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._table_tensor: torch.Tensor | None = None
+        self._contiguous: int | None | object = _UNKNOWN  # contiguous_start(), once computed
+        self._released = False
+        if standalone:
+            self.reserve(max_length)
+
+    @classmethod
+    def paged(cls, pool: PagePool, batch_size: int, max_length: int, layer_index: int = 0) -> AttentionCache:
+        """A session's cache on a block's shared pool: it takes pages as it grows."""
+        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
+
+    @classmethod
+    def make_pool(
+        cls,
+        spec: FullAttentionSpec,
+        tokens: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagePool:
+        """A block's pool for ``tokens`` tokens of this kind, shared by its sessions."""
+        return PagePool(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
+
+    @staticmethod
+    def merged(caches: Sequence[AttentionCache]) -> PagedCache:
+        """One transformers ``Cache`` over all rows of ``caches`` (sessions on the same block), for one forward."""
+        return PagedCache(caches)
+
+    def view(self) -> PagedCache:
+        """This session alone, as a transformers ``Cache``."""
+        return PagedCache([self])
+
+    @property
+    def position(self) -> int:
+        """How many tokens are cached."""
+        return self.length
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(table) for table in self.tables)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages this cache holds."""
+        return self.pages_held * self.pool.page_nbytes
+
+    @property
+    def first_held(self) -> int:
+        """The first position whose keys and values are still held."""
+        return self.dropped * self.pool.page_tokens
+
+    def reserve(self, new_tokens: int) -> None:
+        """Take the pages that ``new_tokens`` more tokens need (raises, taking none, if it cannot)."""
+        end = self.length + new_tokens
+        if end > self.max_length:
+            raise CacheOverflowError(
+                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
+                f"> max_length {self.max_length}"
+            )
+        missing = self.pool.pages_for(end) - self.dropped - len(self.tables[0]) if self.tables else 0
+        if missing <= 0:
+            return
+        with self.pool.lock:
+            if self._released:
+                raise RuntimeError("this session's cache was released: the session has ended")
+            pages = self.pool.take(missing * self.num_sequences)
+            for row, table in enumerate(self.tables):
+                table.extend(pages[row * missing : (row + 1) * missing])
+        self._changed()
+
+    def visible_offset(self, length: int) -> int:
+        """The first position a step after ``length`` cached tokens attends to (0: all of them)."""
+        return 0
+
+    def written(self) -> None:
+        """Called after a step's keys and values are written and read (a window drops what it no longer needs)."""
+
+    def slots(self, start: int, end: int) -> torch.LongTensor:
+        """``[sequences, end - start]``: where positions ``start..end-1`` of each sequence live in the pool."""
+        if self._table_tensor is None:
+            tables = torch.tensor(self.tables, dtype=torch.long, device=self.pool.keys.device)
+            offsets = torch.arange(self.pool.page_tokens, device=tables.device)
+            self._table_tensor = (tables[:, :, None] * self.pool.page_tokens + offsets).flatten(1)
+        base = self.first_held
+        return self._table_tensor[:, start - base : end - base]
+
+    def contiguous_start(self) -> int | None:
+        """The slot of position 0 of a single sequence whose pages lie one after another (as a lone
+        session's do): position ``p`` is then slot ``start + p``."""
+        if self._contiguous is _UNKNOWN:
+            self._contiguous = self._find_contiguous_start()
+        return self._contiguous
+
+    def _find_contiguous_start(self) -> int | None:
+        if self.num_sequences != 1 or not self.tables[0]:
+            return None
+        table = self.tables[0]
+        if table[-1] - table[0] != len(table) - 1 or any(b - a != 1 for a, b in itertools.pairwise(table)):
+            return None
+        return (table[0] - self.dropped) * self.pool.page_tokens
+
+    def rewind(self, position: int) -> None:
+        """Forget every token from ``position`` on (the next step writes there); give back unused pages."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot rewind to position {position}: {self.position} tokens are cached")
+        self._check_rewind(position)
+        self.length = position
+        keep = self.pool.pages_for(position) - self.dropped
+        freed = []
+        for table in self.tables:
+            freed.extend(table[keep:])
+            del table[keep:]
+        self.pool.give_back(freed)
+        self._changed()
+
+    def _check_rewind(self, position: int) -> None:
+        """Raise if rewinding to ``position`` would need tokens no longer held."""
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``."""
+        check_hypo_ids(hypo_ids, self.num_sequences)
+        slots = self.slots(self.first_held, self.length)
+        sources = slots[hypo_ids.to(slots.device)].flatten()
+        self.pool.keys[slots.flatten()] = self.pool.keys[sources]
+        self.pool.values[slots.flatten()] = self.pool.values[sources]
+
+    def release(self) -> None:
+        """Give every page back to the pool; the cache takes no more (the session has ended)."""
+        with self.pool.lock:
+            self._released = True
+            self.release_pages()
+
+    def release_pages(self) -> None:
+        """Give every page back and start over at position 0."""
+        with self.pool.lock:
+            pages = [page for table in self.tables for page in table]
+            for table in self.tables:
+                table.clear()
+        self.pool.give_back(pages)
+        self.length = self.dropped = 0
+        self._changed()
+
+    def _changed(self) -> None:
+        self._table_tensor, self._contiguous = None, _UNKNOWN
+
+
+class SlidingWindowCache(AttentionCache):
+    """A sliding-window (or chunked) attention cache: after each step it gives back the pages whose
+    tokens no later query can attend, keeping ``spec.tokens_kept`` tokens (the window and a margin
+    for rollback)."""
+
+    spec: SlidingWindowSpec
+
+    def visible_offset(self, length: int) -> int:
+        return max(0, length - (self.spec.window - 1))
+
+    def written(self) -> None:
+        drop = max(0, self.length - self.spec.tokens_kept) // self.pool.page_tokens - self.dropped
+        if drop <= 0:
+            return
+        freed = []
+        for table in self.tables:
+            freed.extend(table[:drop])
+            del table[:drop]
+        self.dropped += drop
+        self.pool.give_back(freed)
+        self._changed()
+
+    def _check_rewind(self, position: int) -> None:
+        if self.visible_offset(position) < self.first_held:
+            raise ValueError(
+                f"cannot rewind to position {position}: this sliding-window cache keeps tokens from "
+                f"{self.first_held} on (at most {self.spec.tokens_kept - self.spec.window + 1} tokens of rollback "
+                "past its window); start a new session to go further back"
+            )
+
+    def rewind(self, position: int) -> None:
+        if position == 0:  # a fresh start needs nothing that was dropped
+            self.release_pages()
+            return
+        super().rewind(position)
+
+
+class PagedLayer(CacheLayerMixin):
+    """The cache layer of one block, over the sequences of one or more sessions' ``AttentionCache``s."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, members: Sequence[AttentionCache]) -> None:  # no super().__init__: keys are properties
+        self.members = list(members)
+        self.pool = self.members[0].pool
+        if any(member.pool is not self.pool for member in self.members):
+            raise ValueError("caches computed in one forward must share one page pool")
+        self.is_sliding = isinstance(self.members[0], SlidingWindowCache)
+        self.is_initialized = True
+        self._width: int | None = None  # columns the last update returned
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the pool is allocated up front."""
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """A copy of the visible keys, ``[rows, kv_heads, length, key_dim]`` (left-padded rows)."""
+        return self._read(self._visible_width())[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._read(self._visible_width())[1]
+
+    def _visible_width(self) -> int:
+        length = self.get_seq_length()
+        return length - self.members[0].visible_offset(length)
+
+    def get_seq_length(self) -> int:
+        return max(member.length for member in self.members)
+
+    def get_max_length(self) -> int:
+        return max(member.max_length for member in self.members)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        length = self.get_seq_length()
+        offset = self.members[0].visible_offset(length)
+        return length + query_length - offset, offset
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's keys and values into each sequence's pages; return every row's visible
+        history, right-aligned and left-padded (with zeros) to the longest row."""
+        spec = self.pool.spec
+        broadcast = key_states.shape[1] != spec.num_kv_heads
+        key_states, value_states = _grouped(key_states, spec), _grouped(value_states, spec)
+        _check_widths(key_states, value_states, spec)
+        new_tokens = key_states.shape[-2]
+        length = self.get_seq_length()
+        width = length + new_tokens - self.members[0].visible_offset(length)
+        for member in self.members:
+            member.reserve(new_tokens)
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            self._write_contiguous(start, key_states, value_states)
+        else:
+            self._write_slots(key_states, value_states)
+        for member in self.members:
+            member.length += new_tokens
+        keys, values = self._read(width)
+        for member in self.members:
+            member.written()
+        if broadcast:  # hand back as many heads as the layer gave
+            keys = keys.repeat_interleave(spec.group_size, dim=1)
+            values = values.repeat_interleave(spec.group_size, dim=1)
+        return keys, values
+
+    def _write_contiguous(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One sequence in consecutive pages (a lone session's): the step's tokens are one slice."""
+        first = start + self.members[0].length
+        end = first + key_states.shape[-2]
+        self.pool.keys[first:end].copy_(key_states[0].transpose(0, 1))
+        self.pool.values[first:end].copy_(value_states[0].transpose(0, 1))
+
+    def _write_slots(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        new_tokens = key_states.shape[-2]
+        slots = torch.cat(
+            [member.slots(member.length, member.length + new_tokens) for member in self.members]
+        )
+        self.pool.keys[slots.flatten()] = key_states.transpose(1, 2).flatten(0, 1)
+        self.pool.values[slots.flatten()] = value_states.transpose(1, 2).flatten(0, 1)
+
+    def _read(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``width`` columns of every row (a row shorter than that is padded on the left)."""
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            member = self.members[0]  # one sequence in consecutive pages: a view, no copy
+            end = start + member.length
+            return (
+                self.pool.keys[None, end - width : end].transpose(1, 2),
+                self.pool.values[None, end - width : end].transpose(1, 2),
+            )
+        slots = torch.cat(
+            [
+                _left_padded(member.slots(max(member.length - width, 0), member.length), width)
+                for member in self.members
+            ]
+        )
+        padding = slots < 0
+        slots = slots.clamp(min=0)
+        keys = self.pool.keys[slots].masked_fill_(padding[..., None, None], 0)
+        values = self.pool.values[slots].masked_fill_(padding[..., None, None], 0)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+class _AtLayerIndex(Sequence):
+    """A cache's layer list as the full model's layers see it: the block's own layer at its index,
+    and before it layers that hold nothing (the blocks another server runs)."""
+
+    _NOTHING = DummyLayer()
+
+    def __init__(self, index: int, layer) -> None:
+        self.index, self.layer = index, layer
+
+    def __len__(self) -> int:
+        return self.index + 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if index == self.index:
+            return self.layer
+        if 0 <= index < self.index:
+            return self._NOTHING
+        raise IndexError(index)
+
+
+class RowsCache(Cache):
+    """The transformers ``Cache`` of one block over the rows of several sessions' caches (``members``,
+    each with a ``length`` and ``num_sequences``), answering for the block's layer index with ``layer``.
+
+    Rows may sit at different positions: a block takes each row's positions from ``position_ids`` and
+    its padding from ``attention_mask`` (keys are left-padded to the longest row).
+    """
+
+    def __init__(self, members: Sequence, layer) -> None:
+        self.members = list(members)
+        self.layer_index = self.members[0].layer_index
+        super().__init__(layers=_AtLayerIndex(self.layer_index, layer))
+        self.layer = layer
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(member.length for member in self.members)
+
+    def _row_lengths(self, device: torch.device | str) -> torch.Tensor:
+        lengths = [member.length for member in self.members for _ in range(member.num_sequences)]
+        return torch.tensor(lengths, device=device)
+
+    @property
+    def rows_aligned(self) -> bool:
+        """Whether every row has cached as many tokens (no row is padded)."""
+        return all(member.length == self.members[0].length for member in self.members)
+
+    def row_positions(self) -> tuple[tuple[int, int], ...]:
+        """``(cached tokens, rows)`` of each member (session), in order: where this step's rows start."""
+        return tuple((member.length, member.num_sequences) for member in self.members)
+
+    def position_ids(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
+        """``[rows, query_length]``: each row's positions of the step's tokens."""
+        if self.rows_aligned:  # the common case, one session: no per-row tensor to build
+            start = self.members[0].length
+            rows = sum(member.num_sequences for member in self.members)
+            return torch.arange(start, start + query_length, device=device).expand(rows, query_length)
+        return self._row_lengths(device)[:, None] + torch.arange(query_length, device=device)
+
+    def attention_mask(self, query_length: int, device: torch.device | str = "cpu") -> torch.LongTensor:
+        """``[rows, cached + query_length]`` (the longest row's): 1 for a key of the row, 0 for padding."""
+        lengths = self._row_lengths(device)
+        longest = self.get_seq_length()
+        slots = torch.arange(longest + query_length, device=device)
+        return (slots >= longest - lengths[:, None]).long()
+
+
+class PagedCache(RowsCache):
+    """Several sessions' attention caches of one block, for one batched forward (their rows, in order)."""
+
+    def __init__(self, members: Sequence[AttentionCache]) -> None:
+        super().__init__(members, PagedLayer(members))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layer.get_mask_sizes(query_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int = 0, *args, **kwargs
+    ):
+        if layer_idx != self.layer_index:
+            raise ValueError(f"layer {layer_idx} wrote into the cache of block {self.layer_index}")
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def check_hypo_ids(hypo_ids: torch.Tensor, num_sequences: int) -> None:
+    """``ValueError`` unless ``hypo_ids`` has shape ``[num_sequences]`` and picks rows of the batch."""
+    if hypo_ids.shape != (num_sequences,):
+        raise ValueError(f"hypo_ids must have shape ({num_sequences},), got {tuple(hypo_ids.shape)}")
+    if hypo_ids.numel() and not (0 <= int(hypo_ids.min()) and int(hypo_ids.max()) < num_sequences):
+        raise ValueError(f"hypo_ids must be in [0, {num_sequences}), got {hypo_ids.tolist()}")
+
+
+def _grouped(states: torch.Tensor, spec: FullAttentionSpec) -> torch.Tensor:
+    if states.shape[1] == spec.num_kv_heads:
+        return states
+    if states.shape[1] != spec.num_query_heads:
+        raise ValueError(
+            f"the layer produced {states.shape[1]} key/value heads; its cache spec expects "
+            f"{spec.num_kv_heads} (or {spec.num_query_heads} broadcast ones): fix the family's cache_spec"
+        )
+    return states[:, :: spec.group_size]
+
+
+def _check_widths(keys: torch.Tensor, values: torch.Tensor, spec: FullAttentionSpec) -> None:
+    if keys.shape[-1] != spec.key_dim or values.shape[-1] != spec.value_dim:
+        raise ValueError(
+            f"the layer produced keys of {keys.shape[-1]} and values of {values.shape[-1]} per head; its cache "
+            f"spec says {spec.key_dim} and {spec.value_dim}: fix the family's cache_spec"
+        )
+
+
+def _left_padded(slots: torch.Tensor, length: int) -> torch.Tensor:
+    """``slots`` right-aligned in ``length`` columns, -1 marking the padding on the left."""
+    return torch.nn.functional.pad(slots, (length - slots.shape[1], 0), value=-1)

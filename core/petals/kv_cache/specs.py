@@ -1,0 +1,323 @@
+"""What one block caches: a small frozen spec per cache kind, and core's default description of a block.
+
+A spec knows its sizes (bytes per cached token, per sequence) and how many tokens a sequence of
+a given length keeps; the engine, the budget and the planner see only those numbers. Each kind is
+served by one manager (``petals.kv_cache.MANAGERS``); a kind without a manager is described all the
+same, so that a server refuses it in one line instead of computing it wrong.
+
+Core's default (``describe_block``) reads the layer's kind from transformers itself
+(``cache_utils.get_layer_types_and_kwargs``: full, sliding, chunked, linear attention, ...) and
+its sizes from the config, and where the config does not say, from the family's ``attn_class``
+built on the meta device (its key and value projections' widths). A family whose cache differs
+from what transformers' layers cache (DeepSeek's latent attention) returns its own spec from the
+``cache_spec`` hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from transformers import PretrainedConfig
+
+# a sliding-window cache keeps this many tokens beyond its window, so that a client can roll back
+# (speculative decoding) that far; a larger rewind is refused with a one-line error
+REWIND_MARGIN = 64
+# a linear-attention state keeps a snapshot of itself before each of its last this many steps, so that a
+# client can roll back that many steps (not REWIND_MARGIN's worth: each snapshot is a whole state, as
+# large as hundreds of tokens of keys and values; see ``petals.kv_cache.states``)
+REWIND_STEPS = 4
+# a block of fixed-size states holds one sequence per this many tokens of the server's per-block budget:
+# a state of Qwen3-Next-80B (2.1 MiB, snapshots aside) is worth 1000 of its tokens of keys and values
+TOKENS_PER_SEQUENCE = 256
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One block's cache: a kind and its sizes."""
+
+    kind: ClassVar[str]
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one cached token of one sequence takes (0 for a fixed-size state)."""
+        return 0
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        """Bytes one sequence takes whatever its length (0 for attention, whose cost is per token)."""
+        return 0
+
+    def budget_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes a block of this kind keeps for a budget of ``tokens`` tokens (what a server plans for)."""
+        return tokens * self.bytes_per_token(dtype)
+
+    def tokens_held(self, length: int) -> int:
+        """The most tokens a sequence of ``length`` tokens ever holds in this cache."""
+        return length
+
+    def describe(self) -> str:
+        return self.kind.replace("_", " ")
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(CacheSpec):
+    """Keys and values of every token: ``num_kv_heads`` heads of ``key_dim`` and ``value_dim`` values.
+
+    ``num_query_heads`` is how many heads the attention computes; when a layer hands the cache keys
+    broadcast to all query heads (as some grouped-query layers do), the cache keeps one head per
+    group and expands them again on read.
+    """
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+    num_query_heads: int
+    kind: ClassVar[str] = "full_attention"
+
+    def __post_init__(self) -> None:
+        if min(self.num_kv_heads, self.key_dim, self.value_dim, self.num_query_heads) <= 0:
+            raise ValueError(f"invalid cache spec {self}")
+        if self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_query_heads} query heads do not split into {self.num_kv_heads} groups"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.num_kv_heads * (self.key_dim + self.value_dim) * dtype.itemsize
+
+    def sharded(self, world_size: int) -> FullAttentionSpec:
+        """What one of ``world_size`` tensor-parallel shards caches: its share of key/value groups.
+
+        A single shared key/value head (multi-query attention) cannot be split: every shard keeps a
+        copy, so the shards' caches then total ``world_size`` times the unsharded cache.
+        """
+        if self.num_query_heads % world_size:
+            raise ValueError(f"{self.num_query_heads} attention heads do not split over {world_size} devices")
+        if self.num_kv_heads != 1 and self.num_kv_heads % world_size:
+            raise ValueError(f"{self.num_kv_heads} key/value heads do not split over {world_size} devices")
+        num_kv_heads = 1 if self.num_kv_heads == 1 else self.num_kv_heads // world_size
+        return dataclasses.replace(
+            self, num_kv_heads=num_kv_heads, num_query_heads=self.num_query_heads // world_size
+        )
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Keys and values of the last ``window - 1`` tokens (plus a rewind margin): older ones are freed."""
+
+    window: int = 0
+    rewind_margin: int = REWIND_MARGIN
+    kind: ClassVar[str] = "sliding_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"a sliding window needs a positive size, got {self.window}")
+
+    @property
+    def tokens_kept(self) -> int:
+        """Tokens a sequence keeps after each step: what its next queries can attend, and the margin."""
+        return self.window - 1 + self.rewind_margin
+
+    def tokens_held(self, length: int) -> int:
+        return min(length, self.tokens_kept)
+
+    def describe(self) -> str:
+        return f"{super().describe()} ({self.window})"
+
+
+@dataclass(frozen=True)
+class ChunkedAttentionSpec(SlidingWindowSpec):
+    """Attention within fixed chunks of ``window`` tokens: at most the last chunk is needed."""
+
+    kind: ClassVar[str] = "chunked_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec(CacheSpec):
+    """A fixed-size state per sequence, whatever its length (gated delta net, Mamba-like layers): the
+    last ``conv_kernel`` inputs of a ``conv_dim``-channel causal convolution, kept in the server's dtype,
+    and a recurrent state of ``recurrent_shape``, kept in ``recurrent_dtype`` (the layers compute it in
+    float32); plus ``snapshots`` copies of both, taken before each of the last steps, for rollback."""
+
+    conv_dim: int
+    conv_kernel: int
+    recurrent_shape: tuple[int, ...]
+    recurrent_dtype: torch.dtype = torch.float32
+    snapshots: int = REWIND_STEPS
+    kind: ClassVar[str] = "linear_attention"
+
+    def __post_init__(self) -> None:
+        if min(self.conv_dim, self.conv_kernel, *self.recurrent_shape) <= 0 or self.snapshots < 0:
+            raise ValueError(f"invalid cache spec {self}")
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one state (conv and recurrent) of one sequence."""
+        recurrent = self.recurrent_dtype.itemsize
+        for size in self.recurrent_shape:
+            recurrent *= size
+        return self.conv_dim * self.conv_kernel * dtype.itemsize + recurrent
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return (1 + self.snapshots) * self.state_bytes(dtype)
+
+    def sequences(self, tokens: int) -> int:
+        """How many sequences a block keeps for a budget of ``tokens`` tokens."""
+        return max(1, tokens // TOKENS_PER_SEQUENCE)
+
+    def budget_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        return self.sequences(tokens) * self.bytes_per_sequence(dtype)
+
+    def tokens_held(self, length: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class UnservedSpec(CacheSpec):
+    """A layer kind petals-core describes but has no manager for yet (a server refuses it in one line)."""
+
+    layer_type: str
+    kind: ClassVar[str] = "unserved"
+
+    def describe(self) -> str:
+        return self.layer_type.replace("_", " ")
+
+
+def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
+    """Core's default ``cache_spec``: transformers' kind for this layer, sized from the config."""
+    layer_type, kwargs = layer_kind(config, block_index)
+    if layer_type == "linear_attention" and all(hasattr(config, name) for name in _GATED_DELTA_NET):
+        return gated_delta_net_spec(config)
+    if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
+        return UnservedSpec(layer_type)
+    sizes = attention_sizes(config, block_index)
+    if layer_type == "full_attention":
+        return FullAttentionSpec(**sizes)
+    kind = SlidingWindowSpec if layer_type == "sliding_attention" else ChunkedAttentionSpec
+    return kind(**sizes, window=kwargs["sliding_window"])
+
+
+# the config fields of transformers' gated delta net layers (Qwen3-Next, Qwen3.5, ...); other linear
+# layers (Mamba's, say) name their sizes otherwise and stay unserved until described
+_GATED_DELTA_NET = (
+    "linear_conv_kernel_dim",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+)
+
+
+def gated_delta_net_spec(config: PretrainedConfig) -> LinearAttentionSpec:
+    """The state of a gated delta net layer, as it allocates it: a causal convolution over the queries,
+    keys (``num_key_heads x key_head_dim`` each) and values (``num_value_heads x value_head_dim``), and
+    a recurrent ``key_head_dim x value_head_dim`` matrix per value head."""
+    keys = config.linear_num_key_heads * config.linear_key_head_dim
+    values = config.linear_num_value_heads * config.linear_value_head_dim
+    return LinearAttentionSpec(
+        conv_dim=2 * keys + values,
+        conv_kernel=config.linear_conv_kernel_dim,
+        recurrent_shape=(
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        ),
+    )
+
+
+def layer_kind(config: PretrainedConfig, block_index: int) -> tuple[str, dict]:
+    """Transformers' cache kind of layer ``block_index`` and its arguments (``sliding_window``, ...), as
+    ``cache_utils.get_layer_types_and_kwargs`` says; read directly from the config where it is
+    homogeneous (that function walks every layer's config, slowly, for each call)."""
+    heterogeneous = config.__dict__.get("_heterogeneity_spec") is not None
+    if heterogeneous or getattr(config, "kv_sharing_modes", None) is not None:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        return layer_types[block_index], layer_kwargs[block_index]
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        layer_type = layer_types[block_index]
+    elif getattr(config, "sliding_window", None) is not None:
+        layer_type = "sliding_attention"
+    elif getattr(config, "attention_chunk_size", None) is not None:
+        layer_type = "chunked_attention"
+    else:
+        layer_type = "full_attention"
+    if layer_type in ("moe", "mlp"):
+        return "dummy", {}
+    if layer_type in ("sliding_attention", "hybrid_sliding"):
+        return layer_type, {"sliding_window": config.sliding_window}
+    if layer_type == "chunked_attention":
+        return layer_type, {"sliding_window": config.attention_chunk_size}
+    return layer_type, {}
+
+
+def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int]:
+    """Key/value heads and widths one layer caches per token.
+
+    From the config: ``num_attention_heads``, ``num_key_value_groups`` (query heads per key/value
+    head), ``head_dim`` (or ``hidden_size // num_attention_heads``), and, where keys and values
+    differ, ``qk_head_dim`` / ``v_head_dim``. Where the config's ``attn_class`` builds key and value
+    projections (``k_proj`` / ``v_proj``), their widths win: they are what the layer computes.
+    """
+    layers = getattr(config, "per_layer_config", None)  # a heterogeneous config's sizes are per layer
+    layer = layers[block_index] if layers is not None else config
+    num_heads = layer.num_attention_heads
+    groups = getattr(config, "num_key_value_groups", None)  # a Distributed*Config's, which families override
+    if groups is None:
+        groups = num_heads // (getattr(layer, "num_key_value_heads", None) or num_heads)
+    num_kv_heads = num_heads // groups
+    head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // num_heads
+    key_dim = getattr(layer, "qk_head_dim", None) or head_dim
+    value_dim = getattr(layer, "v_head_dim", None) or head_dim
+    widths = _projection_widths(getattr(type(config), "attn_class", None), config, block_index)
+    if widths is not None:
+        key_dim, value_dim = widths[0] // num_kv_heads, widths[1] // num_kv_heads
+    return {
+        "num_kv_heads": num_kv_heads,
+        "key_dim": key_dim,
+        "value_dim": value_dim,
+        "num_query_heads": num_heads,
+    }
+
+
+# widths of ``attn_class``'s projections, per (class, config, layer type): a server asks once per
+# block, and a planner once per block of every candidate span
+_WIDTHS: dict[tuple, tuple[int, int] | None] = {}
+
+
+def _projection_widths(
+    attn_class: type | None, config: PretrainedConfig, block_index: int
+) -> tuple[int, int] | None:
+    """The output widths of ``attn_class``'s ``k_proj`` and ``v_proj``, built on the meta device (None
+    when it has no such projections). Layers of one type share their widths, so each type is built once."""
+    if attn_class is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = (
+        layer_types[block_index] if layer_types is not None and block_index < len(layer_types) else None
+    )
+    key = (attn_class, type(config), config.to_json_string(use_diff=False), layer_type)
+    if key not in _WIDTHS:
+        if len(_WIDTHS) >= 256:
+            _WIDTHS.clear()
+        _WIDTHS[key] = _built_widths(attn_class, config, block_index)
+    return _WIDTHS[key]
+
+
+def _built_widths(attn_class: type, config: PretrainedConfig, block_index: int) -> tuple[int, int] | None:
+    with torch.device("meta"):
+        try:
+            attention = attn_class(config, block_index)
+        except TypeError:  # an attention class that takes no layer index
+            attention = attn_class(config)
+    k_proj, v_proj = getattr(attention, "k_proj", None), getattr(attention, "v_proj", None)
+    if not isinstance(k_proj, torch.nn.Linear) or not isinstance(v_proj, torch.nn.Linear):
+        return None
+    return k_proj.out_features, v_proj.out_features

@@ -1,0 +1,354 @@
+"""The manager of linear-attention state: one fixed-size state per sequence, no pages.
+
+A gated delta net layer (Qwen3-Next's linear attention) keeps, per sequence, the last inputs of its
+causal convolution and one recurrent matrix per head, whatever the sequence's length
+(``LinearAttentionSpec``). A block's ``StatePool`` holds a number of sequence slots; each slot holds
+the live state and ``spec.snapshots`` earlier ones. ``LinearAttentionState`` is one session's state
+of one block: a slot per sequence, taken when the session opens and given back when it ends.
+
+A forward sees one or more sessions' states through ``StateCache``, a transformers ``Cache`` whose
+layer at the block's index is a linear-attention layer (``get_conv_state``, ``update_conv_state``,
+``get_recurrent_state``, ``update_recurrent_state``, ``has_previous_state``, as transformers' own
+``LinearAttentionLayer`` answers them): it gathers the rows of every session, and writes each row's
+new state back into its slot when the layer stores its recurrent state, the last thing it does.
+Rows at different positions need nothing more: a state has no length.
+
+A state cannot be truncated, so a rewind restores a snapshot: before each step the live state is
+copied into the slot's ring of snapshots, and a rewind to the start of one of the last
+``spec.snapshots`` steps (or to 0) is exact; any other position is refused in one line. Rewinding
+inside a multi-token step (a speculative step of several draft tokens, partly accepted) would need a
+state per token, which the layer does not produce: it is refused too.
+
+Snapshots or recomputation? Recomputing would keep a checkpoint state and the block's inputs since
+(4 KiB a token in bf16 for Qwen3-Next-80B) and replay the block on a rewind. Measured on this
+project's CPU machine (torch 2.13, 2 threads, fp32, shared with a test run, so noisy), with
+Qwen3-Next-80B's state (16 key and 32 value heads of 128, kernel 4, hidden size 2048: 2.1 MiB):
+a snapshot copies it in 0.3-1 ms (a bare 2 MiB copy: 0.23-0.28 ms); replaying one token through the
+layer's mixer alone takes 80-290 ms with transformers' reference kernels (its input projection
+alone 5-13 ms), 4 tokens 350-700 ms, before the block's experts. Snapshots cost far less time per
+step than one replayed token; they cost ``1 + snapshots`` states of memory per sequence, which the
+budget and the planner count (``bytes_per_sequence``), so they are few (``REWIND_STEPS``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from petals.kv_cache.attention import RowsCache, check_hypo_ids
+from petals.kv_cache.pages import CacheOverflowError, OutOfPagesError
+from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, LinearAttentionSpec
+
+
+class StatePool:
+    """One block's linear-attention states: ``num_pages`` sequence slots, each a live state and its
+    snapshots, shared by the block's sessions. ``page_tokens`` is the share of the server's token budget
+    one slot stands for (``free_tokens`` speaks the budget's unit); slots are taken under a lock, and
+    ``on_free`` callbacks hear of slots given back, as a ``PagePool``'s."""
+
+    def __init__(
+        self,
+        spec: LinearAttentionSpec,
+        num_pages: int,
+        page_tokens: int = TOKENS_PER_SEQUENCE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a state pool needs sequence slots, got {num_pages}")
+        self.spec, self.num_pages, self.page_tokens = spec, num_pages, page_tokens
+        copies = 1 + spec.snapshots  # index 0: the live state
+        self.conv = torch.zeros(
+            (num_pages, copies, spec.conv_dim, spec.conv_kernel), dtype=dtype, device=device
+        )
+        self.recurrent = torch.zeros(
+            (num_pages, copies, *spec.recurrent_shape), dtype=spec.recurrent_dtype, device=device
+        )
+        self.lock = threading.RLock()
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.on_free: list[Callable[[], None]] = []
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.free_pages * self.page_tokens
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one sequence's slot (its state and snapshots)."""
+        return self.spec.bytes_per_sequence(self.conv.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    @property
+    def unit(self) -> str:
+        return "sequence states"
+
+    def pages_for(self, tokens: int) -> int:
+        """A sequence takes one slot, whatever its length."""
+        return 1
+
+    def max_pages(self, length: int) -> int:
+        return 1
+
+    def take(self, count: int) -> list[int]:
+        with self.lock:
+            if count > len(self._free):
+                raise OutOfPagesError(
+                    f"the server's linear-attention states are all taken: {count} more sequences need one, "
+                    f"{len(self._free)} are free; try again later or another server"
+                )
+            slots = self._free[len(self._free) - count :]
+            del self._free[len(self._free) - count :]
+            return slots[::-1]
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        if not slots:
+            return
+        with self.lock:
+            self._free.extend(reversed(slots))
+        for callback in self.on_free:
+            callback()
+
+
+class LinearAttentionState:
+    """The linear-attention state of one block in one session: a slot per sequence in a ``StatePool``,
+    with snapshots for rollback. Without a pool it is standalone (tests, measurements)."""
+
+    def __init__(
+        self,
+        spec: LinearAttentionSpec,
+        batch_size: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        pool: StatePool | None = None,
+        layer_index: int = 0,
+    ) -> None:
+        if pool is None:
+            pool = StatePool(spec, max(batch_size, 1), dtype=dtype, device=device)
+        self.pool, self.spec, self.layer_index = pool, spec, layer_index
+        self.num_sequences, self.max_length = batch_size, max_length
+        self.length = 0
+        self.slots = pool.take(batch_size)
+        self._index = torch.tensor(self.slots, dtype=torch.long, device=pool.conv.device)
+        self.snapshots: list[tuple[int, int]] = []  # (position, copy index), oldest first
+        self._released = False
+        self._zero(slice(None))
+
+    @classmethod
+    def make_pool(
+        cls,
+        spec: LinearAttentionSpec,
+        tokens: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> StatePool:
+        """A block's pool for a budget of ``tokens`` tokens: one sequence per ``TOKENS_PER_SEQUENCE``."""
+        return StatePool(spec, spec.sequences(tokens), TOKENS_PER_SEQUENCE, dtype, device)
+
+    @classmethod
+    def paged(
+        cls, pool: StatePool, batch_size: int, max_length: int, layer_index: int = 0
+    ) -> LinearAttentionState:
+        """A session's state on a block's shared pool (it takes its slots now)."""
+        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
+
+    @staticmethod
+    def merged(caches: Sequence[LinearAttentionState]) -> StateCache:
+        """One transformers ``Cache`` over all rows of ``caches`` (sessions on the same block), for one forward."""
+        return StateCache(caches)
+
+    def view(self) -> StateCache:
+        """This session alone, as a transformers ``Cache``."""
+        return StateCache([self])
+
+    @property
+    def position(self) -> int:
+        return self.length
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._released else self.num_sequences * self.pool.page_nbytes
+
+    def reserve(self, new_tokens: int) -> None:
+        """Check that ``new_tokens`` more tokens fit ``max_length`` (the state itself never grows)."""
+        if self._released:
+            raise RuntimeError("this session's cache was released: the session has ended")
+        if self.length + new_tokens > self.max_length:
+            raise CacheOverflowError(
+                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
+                f"> max_length {self.max_length}"
+            )
+
+    def snapshot(self) -> None:
+        """Keep the live state as it is at this position (before a step changes it), dropping the oldest."""
+        if (
+            self.length == 0
+            or self.spec.snapshots == 0
+            or (self.snapshots and self.snapshots[-1][0] == self.length)
+        ):
+            return
+        used = {copy for _, copy in self.snapshots}
+        if len(self.snapshots) == self.spec.snapshots:
+            used.discard(self.snapshots.pop(0)[1])
+        copy = min(set(range(1, 1 + self.spec.snapshots)) - used)
+        self._copy(0, copy)
+        self.snapshots.append((self.length, copy))
+
+    def stepped(self, new_tokens: int) -> None:
+        """Called once a step's new state is written: the live state is ``new_tokens`` further on."""
+        self.length += new_tokens
+
+    def rewind(self, position: int) -> None:
+        """Go back to ``position``: the start of one of the last steps (its snapshot), or 0."""
+        if not 0 <= position <= self.length:
+            raise ValueError(f"cannot rewind to position {position}: {self.length} tokens are cached")
+        if position == self.length:
+            return
+        if position == 0:
+            self._zero(slice(None))
+            self.snapshots.clear()
+        else:
+            copy = dict(self.snapshots).get(position)
+            if copy is None:
+                kept = ", ".join(str(kept) for kept, _ in self.snapshots) or "none"
+                raise ValueError(
+                    f"cannot rewind to position {position}: a linear-attention state goes back only to the start "
+                    f"of one of its last {self.spec.snapshots} steps (kept: {kept}) or to 0; start a new session "
+                    "to go elsewhere"
+                )
+            self._copy(copy, 0)
+            self.snapshots = [(kept, index) for kept, index in self.snapshots if kept < position]
+        self.length = position
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``, snapshots included."""
+        check_hypo_ids(hypo_ids, self.num_sequences)
+        sources = self._index[hypo_ids.to(self._index.device)]
+        self.pool.conv[self._index] = self.pool.conv[sources]
+        self.pool.recurrent[self._index] = self.pool.recurrent[sources]
+
+    def release(self) -> None:
+        """Give the slots back to the pool (the session has ended)."""
+        with self.pool.lock:
+            if self._released:
+                return
+            self._released = True
+        self.pool.give_back(self.slots)
+
+    def _copy(self, source: int, target: int) -> None:
+        """Copy each sequence's state ``source`` (0: the live one) onto its state ``target``: slot by slot,
+        as plain copies (an indexed copy of all slots at once takes 10x longer for one sequence)."""
+        for slot in self.slots:
+            self.pool.conv[slot, target].copy_(self.pool.conv[slot, source])
+            self.pool.recurrent[slot, target].copy_(self.pool.recurrent[slot, source])
+
+    def _zero(self, copies: slice) -> None:
+        self.pool.conv[self._index, copies] = 0
+        self.pool.recurrent[self._index, copies] = 0
+
+
+class StateLayer(LinearAttentionCacheLayerMixin):
+    """The linear-attention cache layer of one block over the rows of one or more sessions' states.
+
+    Rows are gathered from the slots once per forward; the layer's new recurrent state and conv state
+    are written back into them by ``update_recurrent_state``, after the layer's convolution (which may
+    update the gathered conv state in place, as the fused decode kernel does) and its recurrence.
+    """
+
+    def __init__(self, members: Sequence[LinearAttentionState]) -> None:
+        super().__init__(number_of_states=1)
+        self.members = list(members)
+        self.pool = self.members[0].pool
+        if any(member.pool is not self.pool for member in self.members):
+            raise ValueError("states computed in one forward must share one state pool")
+        self.index = torch.cat([member._index for member in self.members])
+        self.previous = any(member.length > 0 for member in self.members)
+        self.has_previous_state[0] = self.previous
+        self.dtype, self.device = self.pool.conv.dtype, self.pool.conv.device
+        self.conv_kernel_size[0] = self.pool.spec.conv_kernel
+        self._new_tokens = 1  # a step that calls no update_conv_state is a fused single-token decode
+        self._gathered = False
+
+    def _gather(self) -> None:
+        """Read every row's live state (a session at position 0 reads zeros), snapshotting it first."""
+        if self._gathered:
+            return
+        for member in self.members:
+            member.snapshot()
+        self.conv_states[0] = self.pool.conv[self.index, 0]
+        self.recurrent_states[0] = self.pool.recurrent[self.index, 0]
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self._gathered = True
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
+        """Nothing to do: the pool is allocated up front."""
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """The convolution's inputs with the rows' previous ones in front (zeros, or none before any state)."""
+        self._gather()
+        _check_shape("conv states", conv_states.shape[1:-1], (self.pool.spec.conv_dim,))
+        self._new_tokens = conv_states.shape[-1]
+        kernel = self.pool.spec.conv_kernel
+        if self.previous:
+            full = torch.cat([self.conv_states[0].to(conv_states.dtype), conv_states], dim=-1)
+        else:
+            full = torch.nn.functional.pad(conv_states, (max(0, kernel - conv_states.shape[-1]), 0))
+        self.conv_states[0] = full[..., -kernel:]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Store the step's states into each row's slot; the step is done."""
+        self._gather()
+        _check_shape("recurrent states", recurrent_states.shape[1:], self.pool.spec.recurrent_shape)
+        self.pool.conv[self.index, 0] = self.conv_states[0].to(self.pool.conv.dtype)
+        self.pool.recurrent[self.index, 0] = recurrent_states.to(self.pool.recurrent.dtype)
+        for member in self.members:
+            member.stepped(self._new_tokens)
+        return recurrent_states
+
+
+class StateCache(RowsCache):
+    """Several sessions' linear-attention states of one block, for one batched forward (their rows, in order)."""
+
+    def __init__(self, members: Sequence[LinearAttentionState]) -> None:
+        super().__init__(members, StateLayer(members))
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_index(layer_idx)
+        if not self.layer.previous:
+            return None
+        self.layer._gather()
+        return self.layer.conv_states[0]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_index(layer_idx)
+        if not self.layer.previous:
+            return None
+        self.layer._gather()
+        return self.layer.recurrent_states[0]
+
+    def _check_index(self, layer_idx: int) -> None:
+        if layer_idx != self.layer_index:
+            raise ValueError(f"layer {layer_idx} read the state of block {self.layer_index}")
+
+
+def _check_shape(name: str, got: Sequence[int], expected: Sequence[int]) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(
+            f"the layer produced {name} of shape {tuple(got)} per sequence; its cache spec says "
+            f"{tuple(expected)}: fix the family's cache_spec"
+        )

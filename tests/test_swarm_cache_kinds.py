@@ -1,0 +1,147 @@
+"""Each cache kind servers hold is exact in a real swarm, through a server killed mid-generation.
+
+A ``petals dht`` and three ``petals serve`` processes (blocks 0:2, 2:4 and a replica of 2:4) serve a tiny
+random model saved in the Hugging Face layout; the distributed model's greedy tokens equal transformers'
+``generate`` on the same files, while the server of blocks 2:4 in the session's route is SIGKILLed mid-way
+and its replica rebuilds that cache from the session's history (logits equal too):
+
+* sliding window (Qwen2, window 8, sliding and full layers on each server): the kill comes past what a
+  server keeps of a window (the window and the rewind margin), so both the killed server and its
+  replica, after replaying that history, have given pages back;
+* full attention with keys and values of their own widths, layers that differ by index (DeepSeek V3:
+  its latent of 16 values and rope key of 8, a dense first layer, then shared and routed experts);
+* linear attention (Qwen3-Next: three gated delta net layers, then a full-attention one, each with routed
+  experts and a shared expert): a fixed-size state per sequence, which the replica of the killed server
+  (a linear layer and the full one) rebuilds by replaying the history through the recurrence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+import petals
+from conftest import LOOPBACK_CLIENT, KillServingServer, save_random_model
+from petals.block import cache_spec
+from petals.kv_cache import REWIND_MARGIN, FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec
+from petals.testing.swarm import running_swarm
+
+WINDOW = 8
+PROMPT = 8
+# past what a sliding layer keeps (its window and REWIND_MARGIN): the killed server has given pages back,
+# and its replica replays a history longer than that, then gives pages back itself
+KILL_AFTER = WINDOW + REWIND_MARGIN
+NEW_TOKENS = KILL_AFTER + 24
+
+MODELS = {
+    "sliding-window": Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "latent-dense-then-experts": DeepseekV3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1000,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+    ),
+    # blocks 2:4, the killed server's, are a linear layer and the full one
+    "linear-then-full-attention": Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+}
+# the full attention of the Qwen2 and Qwen3-Next models: 4 query heads, 2 key/value heads of 16
+HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
+# a convolution over queries and keys (2 heads x 8) and values (4 heads x 8); an 8 x 8 state per value head
+GATED_DELTA_NET = LinearAttentionSpec(conv_dim=2 * 16 + 32, conv_kernel=4, recurrent_shape=(4, 8, 8))
+SPECS = {  # what each block caches, as servers budget it
+    "sliding-window": [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec(**HEADS)] * 2,
+    "latent-dense-then-experts": [
+        FullAttentionSpec(num_kv_heads=1, key_dim=16, value_dim=8, num_query_heads=4)
+    ]
+    * 4,
+    "linear-then-full-attention": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
+}
+
+
+def slow_to_forget(model: torch.nn.Module) -> None:
+    """A gated delta net head's state decays by exp(-A softplus(...)) a token, and transformers draws A from
+    [0.01, 16]: a random model's heads forget within a token, so a replica's state rebuilt wrong would hardly
+    show (zeroing it at the kill moves the logits by 1e-4, once). With A = 0.01 each head keeps the session's
+    history (the same zeroing moves them by 0.08 at once, by up to 0.9 later)."""
+    for module in model.modules():
+        if isinstance(module, Qwen3NextGatedDeltaNet):
+            torch.nn.init.constant_(module.A_log, math.log(0.01))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_greedy_tokens_equal_transformers_through_a_killed_server(kind, tmp_path):
+    path = save_random_model(MODELS[kind], tmp_path / kind, adjust=slow_to_forget)
+    ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
+
+    server_args = ("--update_period", "3")  # a killed server's records expire within seconds
+    with running_swarm(path, "0:2", "2:4", "2:4", server_args=server_args) as (dht, servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
+        )
+        assert [cache_spec(model.config, index) for index in range(4)] == SPECS[kind]
+        with model.inference_session(max_length=PROMPT + NEW_TOKENS) as session:
+            killer = KillServingServer(session, servers, PROMPT, KILL_AFTER)
+            output = model.generate(ids, stopping_criteria=[killer], **kwargs)
+            survivors = {str(span.peer_id) for span in session.route}
+        model.close()
+    assert killer.killed is not None, "the session never reached the kill point"
+    assert killer.killed.peer_id not in survivors
+    assert torch.equal(output.sequences, expected.sequences)
+    # tokens alone are coarse on a tiny random model: the logits show whether every cache is exact
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4
