@@ -66,6 +66,9 @@ OWN = [
     "petals_mixtral",
     "petals_deepseek",
     "petals_qwen",
+    "petals_gemma",
+    "petals_mistral",
+    "petals_gpt_oss",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

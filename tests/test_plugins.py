@@ -18,7 +18,10 @@ FAMILIES = {
     "bloom": "bloom",
     "deepseek": "deepseek_v2, deepseek_v3",
     "falcon": "falcon",
-    "llama": "llama",
+    "gemma": "gemma, gemma2, gemma3_text",
+    "gpt_oss": "gpt_oss",
+    "llama": "llama, llama4_text, smollm3",
+    "mistral": "ministral3, mistral",
     "mixtral": "mixtral",
     "qwen": "qwen2_moe, qwen3, qwen3_moe, qwen3_next",
 }
@@ -39,7 +42,8 @@ def test_petals_plugins_lists_installed_families_with_versions():
     result = run_petals("plugins", "--hooks")
     assert result.returncode == 0, result.stderr
     for name, model_type in FAMILIES.items():
-        assert f"{name}\tpetals-{name} 0.1.0\tmodel types: {model_type}" in result.stdout
+        distribution = f"petals-{name.replace('_', '-')}"
+        assert f"{name}\t{distribution} 0.1.0\tmodel types: {model_type}" in result.stdout
     hooks = {
         line.split("\t")[0]: lines[i + 1].strip().removeprefix("hooks: ").split(", ")
         for lines in [result.stdout.splitlines()]
@@ -81,8 +85,9 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, mixtral, "
-        "petals_template, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
+        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, gemma, "
+        "gemma2, gemma3_text, gpt_oss, ministral3, mistral, mixtral, petals_template, qwen2, qwen2_moe, qwen3, "
+        "qwen3_moe, qwen3_next" in failed.stderr
     )
 
 
@@ -190,7 +195,8 @@ def test_importing_petals_and_loading_plugins_is_lazy():
         assert {"bloom", "falcon", "llama", "mixtral"} <= set(families), families
         families = (
             "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
-            "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe",
+            "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "gemma", "gemma2", "gemma3", "mistral",
+            "ministral3", "gpt_oss", "llama4", "smollm3",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"

@@ -1,0 +1,68 @@
+"""petals-gemma passes the conformance kit on each of its model types, with what makes each differ
+switched on: Gemma 3's sliding layers (a local rotary base) before a full one; Gemma 2's sliding and full
+layers in turn, with soft-capped attention scores; Gemma's multi-query attention."""
+
+import pytest
+from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
+
+from petals.block import cache_spec
+from petals.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from petals.plugins import get_plugin_manager
+from petals.testing import check_family, check_prefix_rules
+
+# 4 query heads and 2 key/value heads of 16 values
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+)
+WINDOW = 6
+CONFIGS = {
+    "gemma": GemmaConfig(**{**TINY, "num_key_value_heads": 1}),
+    # soft-capping as large as the real model's would leave a tiny model's scores uncapped
+    "gemma2": Gemma2Config(
+        **TINY,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3_text": Gemma3TextConfig(
+        **TINY, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+    ),
+}
+HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
+SPECS = {  # what each block caches, as servers budget it
+    "gemma": [FullAttentionSpec(**{**HEADS, "num_kv_heads": 1})] * 4,
+    "gemma2": [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec(**HEADS)] * 2,
+    "gemma3_text": [SlidingWindowSpec(**HEADS, window=WINDOW)] * 3 + [FullAttentionSpec(**HEADS)],
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_gemma_conforms(model_type, tmp_path):
+    report = check_family(CONFIGS[model_type], tmp_path)
+    assert max(report.max_abs_diff.values()) <= 1e-5
+    assert [type(spec) for spec in report.cache_specs] == [type(spec) for spec in SPECS[model_type]]
+    assert [cache_spec(distributed(model_type), index) for index in range(4)] == SPECS[model_type]
+
+
+def distributed(model_type: str):
+    config = CONFIGS[model_type]
+    return get_plugin_manager().family(model_type).config_class.from_dict(config.to_dict())
+
+
+def test_gemma2_blocks_cap_their_attention_scores():
+    config = distributed("gemma2")
+    blocks = [config.block_class(config, index) for index in range(4)]
+    assert [block.self_attn.attn_logit_softcapping for block in blocks] == [2.0] * 4
+    assert [block.self_attn.sliding_window for block in blocks] == [WINDOW, None] * 2
+
+
+def test_gemma_prefix_rule():
+    check_prefix_rules({"google/gemma-3-1b-it": "gemma-3-1b-it"}, CONFIGS["gemma3_text"])
+    check_prefix_rules({"google/gemma-2-2b": "gemma-2-2b"}, CONFIGS["gemma2"])
