@@ -66,6 +66,10 @@ OWN = [
     "petals_mixtral",
     "petals_deepseek",
     "petals_qwen",
+    "petals_glm",
+    "petals_olmo",
+    "petals_phi",
+    "petals_granite",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

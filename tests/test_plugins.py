@@ -18,8 +18,12 @@ FAMILIES = {
     "bloom": "bloom",
     "deepseek": "deepseek_v2, deepseek_v3",
     "falcon": "falcon",
+    "glm": "glm4, glm4_moe",
+    "granite": "granite, granitemoe",
     "llama": "llama",
     "mixtral": "mixtral",
+    "olmo": "olmo2, olmo3, olmoe",
+    "phi": "phi3, phimoe",
     "qwen": "qwen2_moe, qwen3, qwen3_moe, qwen3_next",
 }
 
@@ -81,8 +85,9 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, mixtral, "
-        "petals_template, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
+        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, glm4, "
+        "glm4_moe, granite, granitemoe, mixtral, olmo2, olmo3, olmoe, petals_template, phi3, phimoe, qwen2, "
+        "qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
     )
 
 
@@ -190,7 +195,8 @@ def test_importing_petals_and_loading_plugins_is_lazy():
         assert {"bloom", "falcon", "llama", "mixtral"} <= set(families), families
         families = (
             "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
-            "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe",
+            "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "glm4", "glm4_moe", "olmo2", "olmo3", "olmoe",
+            "phi3", "phimoe", "granite", "granitemoe",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"
