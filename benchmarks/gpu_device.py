@@ -69,6 +69,10 @@ OWN = [
     "petals_gemma",
     "petals_mistral",
     "petals_gpt_oss",
+    "petals_glm",
+    "petals_olmo",
+    "petals_phi",
+    "petals_granite",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

@@ -19,10 +19,14 @@ FAMILIES = {
     "deepseek": "deepseek_v2, deepseek_v3",
     "falcon": "falcon",
     "gemma": "gemma, gemma2, gemma3_text",
+    "glm": "glm4, glm4_moe",
     "gpt_oss": "gpt_oss",
+    "granite": "granite, granitemoe",
     "llama": "llama, llama4_text, smollm3",
     "mistral": "ministral3, mistral",
     "mixtral": "mixtral",
+    "olmo": "olmo2, olmo3, olmoe",
+    "phi": "phi3, phimoe",
     "qwen": "qwen2_moe, qwen3, qwen3_moe, qwen3_next",
 }
 
@@ -86,8 +90,8 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
     )
     assert (
         "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, gemma, "
-        "gemma2, gemma3_text, gpt_oss, ministral3, mistral, mixtral, petals_template, qwen2, qwen2_moe, qwen3, "
-        "qwen3_moe, qwen3_next" in failed.stderr
+        "gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, ministral3, mistral, mixtral, olmo2, "
+        "olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
     )
 
 
@@ -196,7 +200,8 @@ def test_importing_petals_and_loading_plugins_is_lazy():
         families = (
             "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
             "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "gemma", "gemma2", "gemma3", "mistral",
-            "ministral3", "gpt_oss", "llama4", "smollm3",
+            "ministral3", "gpt_oss", "llama4", "smollm3", "glm4", "glm4_moe", "olmo2", "olmo3", "olmoe",
+            "phi3", "phimoe", "granite", "granitemoe",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"

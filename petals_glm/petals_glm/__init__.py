@@ -1,0 +1,11 @@
+"""GLM family plugin for petals-core."""
+
+from petals_glm.config import (
+    DistributedGlm4Config,
+    DistributedGlm4MoeConfig,
+)
+
+__all__ = [
+    "DistributedGlm4Config",
+    "DistributedGlm4MoeConfig",
+]
