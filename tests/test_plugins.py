@@ -91,7 +91,8 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
     assert (
         "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, gemma, "
         "gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, ministral3, mistral, mixtral, olmo2, "
-        "olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next" in failed.stderr
+        "olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next"
+        in failed.stderr
     )
 
 
