@@ -88,7 +88,6 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("ModuleNotFoundError", _missing_package),
     KnownFailure("ImportError", str),  # ours say which extra to install
     KnownFailure("PluginError", str),
-    KnownFailure("UntestedVersionError", str),  # says which version to install
     KnownFailure("CheckpointError", str),
     KnownFailure("ModelNotFoundError", str),  # petals.cli.model_files
     KnownFailure("MissingTokenizerError", str),
