@@ -2,6 +2,8 @@
 
 from petals_qwen.config import (
     DistributedQwen2MoeConfig,
+    DistributedQwen3_5MoeTextConfig,
+    DistributedQwen3_5TextConfig,
     DistributedQwen3Config,
     DistributedQwen3MoeConfig,
     DistributedQwen3NextConfig,
@@ -9,6 +11,8 @@ from petals_qwen.config import (
 
 __all__ = [
     "DistributedQwen2MoeConfig",
+    "DistributedQwen3_5MoeTextConfig",
+    "DistributedQwen3_5TextConfig",
     "DistributedQwen3Config",
     "DistributedQwen3MoeConfig",
     "DistributedQwen3NextConfig",

@@ -1,11 +1,19 @@
 """petals-qwen passes the conformance kit on each of its model types, with what makes each differ
 switched on: Qwen3-Next's gated delta net layers (a fixed-size state per sequence) between full-attention
-ones, and routed experts with a gated shared expert; Qwen3 MoE's dense layers among expert ones; Qwen2
+ones, and routed experts with a gated shared expert; the same layers in Qwen3.5 (dense MLP, partial
+multimodal rotary) and Qwen3.5 MoE; Qwen3 MoE's dense layers among expert ones; Qwen2
 MoE's shared expert and sliding layers; Qwen3's sliding layers."""
 
 import pytest
 import torch
-from transformers import Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from transformers import (
+    Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
 
 from petals.block import cache_spec
 from petals.kv_cache import FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec
@@ -25,19 +33,19 @@ TINY = dict(
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 WINDOW = 6
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
+# as the real models: three linear attention layers, then a full one
+LINEAR = dict(
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
 CONFIGS = {
-    # as the real model: three linear attention layers, then a full one
-    "qwen3_next": Qwen3NextConfig(
-        **TINY,
-        **EXPERTS,
-        shared_expert_intermediate_size=32,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-    ),
+    "qwen3_next": Qwen3NextConfig(**TINY, **EXPERTS, **LINEAR, shared_expert_intermediate_size=32),
+    "qwen3_5_text": Qwen3_5TextConfig(**TINY, **LINEAR),  # a quarter of each head rotates
+    "qwen3_5_moe_text": Qwen3_5MoeTextConfig(**TINY, **EXPERTS, **LINEAR, shared_expert_intermediate_size=32),
     "qwen3_moe": Qwen3MoeConfig(**TINY, **EXPERTS, mlp_only_layers=[0]),
     "qwen2_moe": Qwen2MoeConfig(
         **TINY,
@@ -57,6 +65,8 @@ SLIDING_AND_FULL = [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec
 GATED_DELTA_NET = LinearAttentionSpec(conv_dim=2 * 16 + 32, conv_kernel=4, recurrent_shape=(4, 8, 8))
 SPECS = {  # what each block caches, as servers budget it
     "qwen3_next": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
+    "qwen3_5_text": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
+    "qwen3_5_moe_text": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
     "qwen3_moe": [FullAttentionSpec(**HEADS)] * 4,
     "qwen2_moe": SLIDING_AND_FULL,
     "qwen3": SLIDING_AND_FULL,
@@ -77,11 +87,14 @@ def distributed(model_type: str):
     return get_plugin_manager().family(model_type).config_class.from_dict(config.to_dict())
 
 
-def test_qwen3_next_blocks_are_the_layers_of_their_index():
-    config = distributed("qwen3_next")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_gated_delta_net_blocks_are_the_layers_of_their_index(model_type):
+    config = distributed(model_type)
     blocks = [config.block_class(config, index) for index in range(4)]
     assert [block.layer_type for block in blocks] == ["linear_attention"] * 3 + ["full_attention"]
-    assert all(hasattr(block.mlp, "shared_expert") for block in blocks)
+    assert [hasattr(block, "linear_attn") for block in blocks] == [True] * 3 + [False]
+    has_experts = model_type != "qwen3_5_text"
+    assert all(hasattr(block.mlp, "shared_expert") == has_experts for block in blocks)
 
 
 def test_qwen3_moe_dense_layers_come_from_mlp_only_layers():
