@@ -73,6 +73,11 @@ OWN = [
     "petals_olmo",
     "petals_phi",
     "petals_granite",
+    "petals_cohere",
+    "petals_exaone",
+    "petals_ernie",
+    "petals_dots",
+    "petals_minimax",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

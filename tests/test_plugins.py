@@ -16,18 +16,23 @@ from petals.plugins import DuplicateModelTypeError, PluginManager, UnknownModelT
 
 FAMILIES = {
     "bloom": "bloom",
+    "cohere": "cohere2",
     "deepseek": "deepseek_v2, deepseek_v3",
+    "dots": "dots1",
+    "ernie": "ernie4_5_moe",
+    "exaone": "exaone4",
     "falcon": "falcon",
     "gemma": "gemma, gemma2, gemma3_text",
     "glm": "glm4, glm4_moe",
     "gpt_oss": "gpt_oss",
     "granite": "granite, granitemoe",
     "llama": "llama, llama4_text, smollm3",
+    "minimax": "minimax_m2",
     "mistral": "ministral3, mistral",
     "mixtral": "mixtral",
     "olmo": "olmo2, olmo3, olmoe",
     "phi": "phi3, phimoe",
-    "qwen": "qwen2_moe, qwen3, qwen3_moe, qwen3_next",
+    "qwen": "qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
 }
 
 
@@ -89,10 +94,10 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, gemma, "
-        "gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, ministral3, mistral, mixtral, olmo2, "
-        "olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next"
-        in failed.stderr
+        "model type 'llama' has no installed plugin; installed: bloom, cohere2, deepseek_v2, deepseek_v3, dots1, "
+        "ernie4_5_moe, exaone4, falcon, gemma, gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, "
+        "minimax_m2, ministral3, mistral, mixtral, olmo2, olmo3, olmoe, petals_template, phi3, phimoe, qwen2, "
+        "qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next" in failed.stderr
     )
 
 
@@ -202,7 +207,8 @@ def test_importing_petals_and_loading_plugins_is_lazy():
             "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
             "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "gemma", "gemma2", "gemma3", "mistral",
             "ministral3", "gpt_oss", "llama4", "smollm3", "glm4", "glm4_moe", "olmo2", "olmo3", "olmoe",
-            "phi3", "phimoe", "granite", "granitemoe",
+            "phi3", "phimoe", "granite", "granitemoe", "qwen3_5", "qwen3_5_moe", "cohere2", "exaone4",
+            "ernie4_5_moe", "dots1", "minimax_m2",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"
