@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 import petals.loading
+import petals.plugins
 from conftest import install_in_hf_cache, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.loading import Checkpoint, CheckpointError, load_block
@@ -75,6 +76,33 @@ def test_mixtral_experts_are_fused_on_load(tiny_model_path):
 def test_dtype_conversion(tiny_model_path):
     block = load_block(tiny_model_path("llama"), 0, torch.bfloat16)
     assert {p.dtype for p in block.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensors_transformers_keeps_in_float32_stay_float32(tmp_path, dtype):
+    """DeepSeek V3's router weights and score-correction biases route in float32 in transformers whatever
+    the model's dtype; a block loaded in bfloat16 or float16 keeps exactly the tensors transformers keeps."""
+    from transformers import DeepseekV3Config
+
+    from conftest import save_random_model
+
+    config = DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=64, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8,
+        q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1,
+    )  # fmt: skip
+    path = save_random_model(config, tmp_path / "deepseek")
+    if "deepseek_v3" not in petals.plugins.get_plugin_manager().model_families():
+        pytest.skip("petals-deepseek is not installed here: pip install ./petals_deepseek")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).model.layers[1].state_dict()
+    block = load_block(path, 1, dtype)
+    dtypes = {name: tensor.dtype for name, tensor in block.state_dict().items()}
+    assert dtypes == {name: tensor.dtype for name, tensor in reference.items()}
+    assert {name for name, d in dtypes.items() if d == torch.float32} == {
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+    }
 
 
 def test_repo_id_in_hf_cache_loads_offline(tiny_model_path, offline_hf_cache):

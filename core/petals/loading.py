@@ -12,6 +12,8 @@ import copy
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
     WeightRenaming,
+    build_glob_alternation,
     dot_natural_key,
     rename_source_key,
 )
@@ -231,15 +234,45 @@ def load_block(
     if checkpoint is None:
         checkpoint = Checkpoint.open(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
     state_dict = read_block_state_dict(checkpoint, config, block_index, dtype)
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     with torch.device("meta"):
         block = make_block(config, block_index)
+    if dtype is not None:
+        kept = kept_in_float32(type(block), dtype)
+        state_dict = {
+            name: tensor.to(torch.float32 if kept and kept.search(name) else dtype)
+            if tensor.is_floating_point()
+            else tensor
+            for name, tensor in state_dict.items()
+        }
     block.load_state_dict(state_dict, strict=True, assign=True)
     leftovers = [name for name, tensor in _named_tensors(block) if tensor.is_meta]
     if leftovers:
         raise CheckpointError(f"block {block_index}: tensors not filled from the checkpoint: {leftovers}")
     return block.eval().requires_grad_(False)
+
+
+def kept_in_float32(block_class: type, dtype: torch.dtype) -> re.Pattern | None:
+    """Which of a block's tensors transformers keeps in float32 when its model loads in ``dtype``: the
+    ``_keep_in_fp32_modules_strict`` of the model classes defined beside the block's transformers layer
+    (MoE routers' ``gate.weight`` and score-correction biases, say) in float16 and bfloat16, and their
+    ``_keep_in_fp32_modules`` in float16, matched on the block's tensor names as transformers matches them."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    from transformers import PreTrainedModel
+
+    patterns: set[str] = set()
+    for module_name in {
+        cls.__module__ for cls in block_class.__mro__ if cls.__module__.startswith("transformers.")
+    }:
+        for value in vars(sys.modules[module_name]).values():
+            if isinstance(value, type) and issubclass(value, PreTrainedModel):
+                patterns.update(value._keep_in_fp32_modules_strict or ())
+                if dtype == torch.float16:
+                    patterns.update(value._keep_in_fp32_modules or ())
+    if not patterns:
+        return None
+    alternation, _, _ = build_glob_alternation(sorted(patterns))
+    return alternation
 
 
 def _named_tensors(module: torch.nn.Module):
