@@ -225,28 +225,34 @@ def test_quant_type_quantizes_the_dequantized_weights_again(fp8_checkpoint, quan
 
 
 @pytest.fixture
-def gptq_checkpoint(fp8_checkpoint, tmp_path) -> Path:
+def unknown_method_checkpoint(fp8_checkpoint, tmp_path) -> Path:
     """A checkpoint that says it is quantized with a method petals does not read."""
     fp8, _ = fp8_checkpoint("llama-per-tensor")
     for file in fp8.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     config_json = json.loads((fp8 / "config.json").read_text())
-    config_json["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config_json["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     return tmp_path
 
 
-def test_unknown_quantization_method_is_refused_by_name(gptq_checkpoint):
+def test_unknown_quantization_method_is_refused_by_name(unknown_method_checkpoint):
     with pytest.raises(
-        CheckpointFormatError, match="quant_method 'gptq', which petals cannot read yet .*reads: fp8"
+        CheckpointFormatError,
+        match="quant_method 'compressed-tensors', which petals cannot read yet .*reads: awq, fp8, gptq, mxfp4",
     ):
-        load_block(gptq_checkpoint, 0)
+        load_block(unknown_method_checkpoint, 0)
 
 
-def test_a_server_refuses_an_unknown_quantization_method_in_one_line_before_it_announces(gptq_checkpoint):
-    result = CliRunner().invoke(main, ["serve", str(gptq_checkpoint), "--new_swarm"])
+def test_a_server_refuses_an_unknown_quantization_method_in_one_line_before_it_announces(
+    unknown_method_checkpoint,
+):
+    result = CliRunner().invoke(main, ["serve", str(unknown_method_checkpoint), "--new_swarm"])
     assert result.exit_code == 1
-    assert "quant_method 'gptq', which petals cannot read yet (it reads: fp8)" in result.output
+    assert (
+        "quant_method 'compressed-tensors', which petals cannot read yet (it reads: awq, fp8, gptq, mxfp4)"
+        in result.output
+    )
     assert "Traceback" not in result.output
 
 

@@ -5,7 +5,12 @@ A quantized release names its format in config.json's ``quantization_config.quan
 block's stored tensors (weights and their scales, under the checkpoint's names) into floating-point
 weights of the serving dtype, on CPU, at load. The block itself is then built and served as for an
 unquantized checkpoint (``--quant_type`` quantizes those weights again, if asked). A method not in
-the table is refused by name; a new one (MXFP4, GPTQ, ...) is a row here and its tests.
+the table is refused by name; a new one is a row here and its tests.
+
+What is ours and what is transformers': FP8 block scaling is a multiplication written here; MXFP4
+uses transformers' own ``convert_moe_packed_tensors``; GPTQ and AWQ unpacking is written by hand
+from the formats' specifications, because transformers reads them only through gptqmodel/autoawq
+kernels, which petals does not depend on (each function's docstring gives its layout).
 """
 
 from __future__ import annotations
@@ -90,8 +95,223 @@ def _dequantize_fp8_weight(
     return weight * scale
 
 
+def dequantize_mxfp4(
+    tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """MXFP4 experts as GPT-OSS publishes them: ``P_blocks`` (uint8, two FP4 e2m1 codes a byte, low
+    nibble first, 32 codes a group along the input) with ``P_scales`` (uint8 e8m0: the group's power
+    of two + 127) for ``P`` in ``gate_up_proj``, ``down_proj``; every other tensor is dense.
+
+    The dequantization is transformers' own (``integrations.mxfp4.convert_moe_packed_tensors``, which
+    also transposes to the layout of transformers' experts), in chunks of ``MXFP4_ROWS_PER_CHUNK``
+    groups so that its index temporaries stay small; only the pairing of names and the checks are ours.
+    """
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    plain = {name: tensor for name, tensor in tensors.items() if not name.endswith(("_blocks", "_scales"))}
+    for name, blocks in tensors.items():
+        if not name.endswith("_blocks"):
+            continue
+        weight_name, scales = (
+            name.removesuffix("_blocks"),
+            tensors.get(name.removesuffix("_blocks") + "_scales"),
+        )
+        if scales is None:
+            raise CheckpointFormatError(f"{name} has no {weight_name}_scales to scale it")
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.ndim != 4:
+            raise CheckpointFormatError(
+                f"{name}: {blocks.dtype} blocks of shape {tuple(blocks.shape)} with {scales.dtype} scales are "
+                "not the mxfp4 layout petals reads (uint8 [experts, rows, groups, 16] blocks, uint8 scales)"
+            )
+        if blocks.shape[:-1] != scales.shape:
+            raise CheckpointFormatError(
+                f"{name}: blocks {tuple(blocks.shape)} need scales of shape {tuple(blocks.shape[:-1])}, "
+                f"the checkpoint has {tuple(scales.shape)}"
+            )
+        plain[weight_name] = convert_moe_packed_tensors(
+            blocks, scales, dtype=dtype, rows_per_chunk=MXFP4_ROWS_PER_CHUNK
+        )
+    orphans = [
+        name
+        for name in tensors
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" not in tensors
+    ]
+    if orphans:
+        raise CheckpointFormatError(f"mxfp4 scales without their blocks: {', '.join(sorted(orphans))}")
+    return _to_dtype(plain, dtype)
+
+
+MXFP4_ROWS_PER_CHUNK = 1 << 16  # groups of 32 weights dequantized at a time
+
+
+def dequantize_gptq(
+    tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """GPTQ linears (AutoGPTQ / GPTQModel's layout): ``qweight`` int32 ``[in * bits / 32, out]`` packed
+    along the input (row ``r`` holds inputs ``r * 32 / bits ...``, the first in the lowest bits),
+    ``qzeros`` int32 ``[groups, out * bits / 32]`` packed along the output the same way, ``scales``
+    ``[groups, out]`` (float16), ``g_idx`` ``[in]`` (each input's group: act-order checkpoints,
+    ``desc_act``, permute it) and an optional ``bias``. ``W[o, i] = scales[g, o] * (q[i, o] - z[g, o])``
+    with ``g = g_idx[i]``; ``checkpoint_format`` ``"gptq"`` (v1) stores ``z - 1`` (so ``z = (stored + 1)
+    mod 2**bits``), ``"gptq_v2"`` stores ``z``. Bits 2, 4 and 8.
+
+    Written by hand from the format's specification: transformers dequantizes GPTQ only through
+    gptqmodel's kernels, which petals does not depend on.
+    """
+    bits, group_size = (
+        _int_bits(quantization_config, "gptq", (2, 4, 8)),
+        quantization_config.get("group_size", 128),
+    )
+    checkpoint_format = quantization_config.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise CheckpointFormatError(
+            f"gptq checkpoint_format {checkpoint_format!r} is not one petals reads (gptq, gptq_v2)"
+        )
+    if quantization_config.get("lm_head"):
+        raise CheckpointFormatError("gptq with a quantized lm_head is not one petals reads yet")
+    zero_offset = 1 if checkpoint_format == "gptq" else 0
+    plain = _without_companions(tensors, ("qweight", "qzeros", "scales", "g_idx"))
+    for prefix in _packed_linears(tensors):
+        qweight, qzeros, scales = _companions(tensors, prefix, ("qweight", "qzeros", "scales"))
+        in_features = qweight.shape[0] * 32 // bits
+        quantized = _unpack(qweight, bits, dim=0)
+        zeros = (_unpack(qzeros, bits, dim=1)[:, : scales.shape[1]] + zero_offset) & ((1 << bits) - 1)
+        g_idx = tensors.get(prefix + "g_idx")
+        if g_idx is None:
+            g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
+        g_idx = g_idx.long()
+        _check_shapes(prefix, quantized, zeros, scales, g_idx)
+        weight = (quantized - zeros[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]
+        plain[prefix + "weight"] = weight.T.contiguous()
+    return _to_dtype(plain, dtype)
+
+
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # where output k of eight sits among a packed int32's nibbles
+
+
+def dequantize_awq(
+    tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """AWQ linears, GEMM version (AutoAWQ's ``WQLinear_GEMM``): ``qweight`` int32 ``[in, out / 8]`` and
+    ``qzeros`` int32 ``[in / group_size, out / 8]``, both packed along the output in AWQ's interleaved
+    order (outputs 0, 2, 4, 6, 1, 3, 5, 7 of each eight, lowest bits first), ``scales`` float16
+    ``[in / group_size, out]``, an optional ``bias``. ``W[o, i] = scales[g, o] * (q[i, o] - z[g, o])``
+    with ``g = i // group_size``, no offset on the zeros.
+
+    Written by hand from the format's specification: transformers dequantizes AWQ only through
+    autoawq/gptqmodel's kernels, which petals does not depend on. Other versions (GEMV, exllama,
+    marlin) pack differently and are refused, as is ``zero_point: false``.
+    """
+    bits = _int_bits(quantization_config, "awq", (4,))
+    version = str(quantization_config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise CheckpointFormatError(f"awq version {version!r} is not one petals reads (gemm)")
+    if not quantization_config.get("zero_point", True):
+        raise CheckpointFormatError("awq without zero points (zero_point: false) is not one petals reads")
+    group_size = quantization_config.get("group_size", 128)
+    plain = _without_companions(tensors, ("qweight", "qzeros", "scales"))
+    reverse = torch.tensor(AWQ_REVERSE_ORDER)
+    for prefix in _packed_linears(tensors):
+        qweight, qzeros, scales = _companions(tensors, prefix, ("qweight", "qzeros", "scales"))
+
+        def unpack(packed: torch.Tensor) -> torch.Tensor:
+            values = _unpack(packed, bits, dim=1).reshape(packed.shape[0], -1, 8)
+            return values[:, :, reverse].reshape(packed.shape[0], -1)
+
+        quantized, zeros = unpack(qweight), unpack(qzeros)
+        in_features = quantized.shape[0]
+        g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
+        _check_shapes(prefix, quantized, zeros, scales, g_idx)
+        weight = (quantized - zeros[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]
+        plain[prefix + "weight"] = weight.T.contiguous()
+    return _to_dtype(plain, dtype)
+
+
+def _int_bits(quantization_config: dict[str, Any], method: str, supported: tuple[int, ...]) -> int:
+    bits = quantization_config.get("bits", quantization_config.get("w_bit", 4))
+    if bits not in supported:
+        raise CheckpointFormatError(
+            f"{method} with {bits} bits is not one petals reads ({', '.join(map(str, supported))})"
+        )
+    if quantization_config.get("dynamic"):
+        raise CheckpointFormatError(
+            f"{method} with per-module overrides (dynamic) is not one petals reads yet"
+        )
+    return bits
+
+
+def _packed_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """``"…q_proj."`` for every stored ``"…q_proj.qweight"``."""
+    return sorted(
+        name.removesuffix("qweight") for name in tensors if name.endswith(".qweight") or name == "qweight"
+    )
+
+
+def _without_companions(
+    tensors: dict[str, torch.Tensor], suffixes: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    linears = set(_packed_linears(tensors))
+    return {
+        name: tensor
+        for name, tensor in tensors.items()
+        if not any(name == prefix + suffix for prefix in linears for suffix in suffixes)
+    }
+
+
+def _companions(
+    tensors: dict[str, torch.Tensor], prefix: str, suffixes: tuple[str, ...]
+) -> list[torch.Tensor]:
+    missing = [prefix + suffix for suffix in suffixes if prefix + suffix not in tensors]
+    if missing:
+        raise CheckpointFormatError(f"{prefix}qweight has no {', '.join(missing)}")
+    found = [tensors[prefix + suffix] for suffix in suffixes]
+    if found[0].dtype != torch.int32 or found[1].dtype != torch.int32:
+        raise CheckpointFormatError(
+            f"{prefix}qweight and qzeros must be int32, the checkpoint has {found[0].dtype}"
+        )
+    return found
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words of ``32 / bits`` values (the first in the lowest bits) → int32 values, along ``dim``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    if dim == 0:
+        values = (packed.unsqueeze(1) >> shifts[None, :, None]) & mask  # [rows, per word, cols]
+        return values.reshape(-1, packed.shape[1])
+    values = (packed.unsqueeze(2) >> shifts[None, None, :]) & mask  # [rows, cols, per word]
+    return values.reshape(packed.shape[0], -1)
+
+
+def _check_shapes(
+    prefix: str, quantized: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> None:
+    in_features, out_features = quantized.shape
+    groups = int(g_idx.max()) + 1 if g_idx.numel() else 0
+    if (
+        g_idx.shape != (in_features,)
+        or scales.shape[1] != out_features
+        or zeros.shape != scales.shape
+        or scales.shape[0] < groups
+    ):
+        raise CheckpointFormatError(
+            f"{prefix}qweight unpacks to {in_features} inputs x {out_features} outputs in {groups} groups, "
+            f"which its scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} and g_idx "
+            f"{tuple(g_idx.shape)} do not match (wrong bits or group_size in quantization_config?)"
+        )
+
+
+def _to_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in tensors.items()
+    }
+
+
 FORMATS: dict[str, CheckpointFormat] = {
     "fp8": CheckpointFormat("fp8", dequantize_fp8, companion_suffixes=("_scale_inv",)),
+    "mxfp4": CheckpointFormat("mxfp4", dequantize_mxfp4),
+    "gptq": CheckpointFormat("gptq", dequantize_gptq),
+    "awq": CheckpointFormat("awq", dequantize_awq),
 }
 
 

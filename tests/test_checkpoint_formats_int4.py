@@ -1,0 +1,379 @@
+"""MXFP4, GPTQ and AWQ checkpoints load as they are published, dequantized on CPU to the serving dtype.
+
+Fixtures quantize a tiny random model following each format's specification, with code written
+here independently of ``petals.checkpoint_formats`` (it packs where petals unpacks):
+
+- MXFP4 as GPT-OSS publishes it: the experts' ``gate_up_proj`` and ``down_proj`` as ``*_blocks``
+  (uint8, two FP4 e2m1 codes a byte, low nibble first, 32 a group along the input) and ``*_scales``
+  (uint8 e8m0), everything else dense, ``quantization_config`` as in openai/gpt-oss-20b;
+- GPTQ (AutoGPTQ/GPTQModel, ``checkpoint_format`` "gptq", v1 zeros stored minus one): ``qweight``
+  packed along the input, ``qzeros`` along the output, float16 ``scales``, ``g_idx`` (permuted for
+  ``desc_act``), every linear of the decoder layers;
+- AWQ GEMM (AutoAWQ): ``qweight``/``qzeros`` packed along the output in AWQ's interleaved order.
+
+One shard per layer (``save_by_layer``). The reference is the same model with those weights
+dequantized by the specification's formula, saved in float32 and loaded by plain transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_checkpoint_formats import MAX_RELATIVE_ERROR, QUANTIZED_LINEAR, save_by_layer
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+
+import petals
+from conftest import LOOPBACK_CLIENT, save_random_model, tiny_config
+from petals.auto import AutoDistributedConfig
+from petals.checkpoint_formats import CheckpointFormatError, dequantize_awq, dequantize_gptq
+from petals.convert import convert_block
+from petals.loading import Checkpoint, load_block
+from petals.testing.swarm import running_swarm
+
+GPT_OSS = GptOssConfig(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
+FP4_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ packs output ORDER[j] of each eight at nibble j
+
+
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words of 32 bits → the int32 with the same bits."""
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+# --- MXFP4 -----------------------------------------------------------------------------------------
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' experts weight ``[experts, in, out]`` → (blocks, scales, dequantized) as GPT-OSS
+    stores them: rows are outputs, groups of 32 inputs, each group's largest magnitude within 6 * 2**e."""
+    rows = weight.transpose(1, 2)  # [experts, out, in]
+    experts, outs, ins = rows.shape
+    groups = rows.reshape(experts, outs, ins // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - FP4_VALUES).abs().argmin(-1)  # nearest FP4 value (ties: the first)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = (exponent + 127).to(torch.uint8)
+    dequantized = FP4_VALUES[codes] * torch.exp2(exponent)[..., None]
+    return blocks, scales, dequantized.reshape(experts, outs, ins).transpose(1, 2).contiguous()
+
+
+def save_mxfp4_checkpoint(path: Path) -> tuple[Path, Path]:
+    source = save_random_model(GPT_OSS, path / "source")
+    stored, dequantized = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[f"{name}_blocks"], stored[f"{name}_scales"], dequantized[name] = quantize_mxfp4(tensor)
+        else:
+            stored[name], dequantized[name] = tensor.to(torch.bfloat16), tensor.to(torch.bfloat16).float()
+    config_json = json.loads((source / "config.json").read_text())
+    config_json["quantization_config"] = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    config_json["dtype"] = "bfloat16"
+    return save_pair(path, "mxfp4", stored, dequantized, config_json, source)
+
+
+def save_pair(path, name, stored, dequantized, config_json, source) -> tuple[Path, Path]:
+    quantized, reference = path / name, path / "reference"
+    save_by_layer(stored, quantized)
+    (quantized / "config.json").write_text(json.dumps(config_json, indent=2))
+    reference.mkdir()
+    (reference / "config.json").write_text((source / "config.json").read_text())
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    return quantized, reference
+
+
+# --- GPTQ and AWQ ----------------------------------------------------------------------------------
+
+
+def quantize_int(weight: torch.Tensor, bits: int, g_idx: torch.Tensor, groups: int, sym: bool):
+    """``weight [out, in]`` → (q ``[in, out]``, zeros ``[groups, out]``, float16 scales ``[groups, out]``):
+    min-max per group and output, ``w ≈ scale * (q - zero)``."""
+    maxq = 2**bits - 1
+    w = weight.T  # [in, out]
+    scales = torch.empty(groups, w.shape[1])
+    zeros = torch.empty(groups, w.shape[1], dtype=torch.int64)
+    for g in range(groups):
+        rows = w[g_idx == g]
+        low, high = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+        if sym:
+            scales[g] = torch.maximum(-low, high).clamp(min=1e-8) * 2 / maxq
+            zeros[g] = (maxq + 1) // 2
+        else:
+            scales[g] = (high - low).clamp(min=1e-8) / maxq
+            zeros[g] = torch.round(-low / scales[g]).long()
+    scales = scales.to(torch.float16)
+    q = torch.clamp(torch.round(w / scales.float()[g_idx]) + zeros[g_idx], 0, maxq).long()
+    return q, zeros, scales
+
+
+def dequantize_by_groups(q, zeros, scales, g_idx) -> torch.Tensor:
+    """The specification's dequantization, one input row at a time → ``[out, in]`` float32."""
+    rows = [scales[g_idx[i]].float() * (q[i] - zeros[g_idx[i]]).float() for i in range(q.shape[0])]
+    return torch.stack(rows).T.contiguous()
+
+
+def pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Pack ``32 / bits`` values a word along ``dim``, the j-th of each run (``order[j]`` if given) at bits j*bits."""
+    per = 32 // bits
+    values = values if dim == 0 else values.T
+    runs = values.reshape(values.shape[0] // per, per, values.shape[1])
+    words = sum(runs[:, (order[j] if order else j), :] << (bits * j) for j in range(per))
+    words = to_int32(words)
+    return (words if dim == 0 else words.T).contiguous()
+
+
+def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
+    return name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.ndim == 2
+
+
+def save_int4_checkpoint(path: Path, method: str, bits: int = 4, desc_act: bool = False, sym: bool = True):
+    """A tiny Llama quantized with GPTQ or AWQ (group size 32) → (checkpoint, float32 reference)."""
+    source = save_random_model(tiny_config("llama"), path / "source")
+    group_size = 32
+    generator = torch.Generator().manual_seed(1)
+    stored, dequantized = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if not is_quantized_linear(name, tensor):
+            stored[name] = dequantized[name] = tensor
+            continue
+        prefix = name.removesuffix("weight")
+        ins, groups = tensor.shape[1], tensor.shape[1] // group_size
+        g_idx = torch.arange(ins) // group_size
+        if desc_act:  # act order: groups follow a permutation of the inputs, g_idx says which
+            g_idx = g_idx[torch.argsort(torch.randperm(ins, generator=generator))]
+        q, zeros, scales = quantize_int(tensor, bits, g_idx, groups, sym=sym and method == "gptq")
+        dequantized[name] = dequantize_by_groups(q, zeros, scales, g_idx)
+        stored[prefix + "scales"] = scales
+        if method == "gptq":
+            stored[prefix + "qweight"] = pack(q, bits, dim=0)
+            stored[prefix + "qzeros"] = pack((zeros - 1) & (2**bits - 1), bits, dim=1)  # v1: zero - 1
+            stored[prefix + "g_idx"] = g_idx.to(torch.int32)
+        else:
+            stored[prefix + "qweight"] = pack(q, bits, dim=1, order=AWQ_ORDER)
+            stored[prefix + "qzeros"] = pack(zeros, bits, dim=1, order=AWQ_ORDER)
+    config_json = json.loads((source / "config.json").read_text())
+    config_json["quantization_config"] = (
+        {
+            "bits": bits,
+            "group_size": group_size,
+            "damp_percent": 0.01,
+            "desc_act": desc_act,
+            "static_groups": False,
+            "sym": sym,
+            "true_sequential": True,
+            "quant_method": "gptq",
+            "checkpoint_format": "gptq",
+        }
+        if method == "gptq"
+        else {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
+    )
+    return save_pair(path, method, stored, dequantized, config_json, source)
+
+
+LAYOUTS = {  # name: what builds it
+    "mxfp4-gpt-oss": save_mxfp4_checkpoint,
+    "gptq-4bit-sym": lambda path: save_int4_checkpoint(path, "gptq"),
+    "gptq-4bit-act-order-asym": lambda path: save_int4_checkpoint(path, "gptq", desc_act=True, sym=False),
+    "gptq-8bit": lambda path: save_int4_checkpoint(path, "gptq", bits=8),
+    "awq-gemm": lambda path: save_int4_checkpoint(path, "awq"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(layout)`` → (quantized checkpoint, dequantized float32 reference)."""
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def build(layout: str) -> tuple[Path, Path]:
+        if layout not in built:
+            built[layout] = LAYOUTS[layout](tmp_path_factory.mktemp(layout))
+        return built[layout]
+
+    return build
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_served_block_equals_the_dequantized_reference(checkpoint, layout):
+    quantized, reference = checkpoint(layout)
+    block = load_block(quantized, 2, torch.float32)
+
+    expected = (
+        AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).model.layers[2].state_dict()
+    )
+    assert block.state_dict().keys() == expected.keys()
+    assert all(torch.equal(block.state_dict()[name], tensor) for name, tensor in expected.items())
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    diff = (block(hidden) - load_block(reference, 2, torch.float32)(hidden)).abs().max().item()
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["mxfp4-gpt-oss", "gptq-4bit-sym", "awq-gemm"])
+def test_a_server_of_blocks_reads_only_their_tensors_and_their_companions(checkpoint, layout, monkeypatch):
+    quantized, _ = checkpoint(layout)
+    read: list[str] = []
+    real_read = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, keys: read.extend(keys) or real_read(self, keys))
+    config = AutoDistributedConfig.from_pretrained(quantized)
+    opened = Checkpoint.open(quantized)
+
+    for index in (1, 2):  # what a server of blocks 1:3 loads
+        load_block(quantized, index, torch.float32, config=config, checkpoint=opened)
+
+    served = {name for name in opened.weight_map if name.startswith(("model.layers.1.", "model.layers.2."))}
+    assert set(read) == served
+    assert {opened.weight_map[name] for name in read} == {
+        "model-layer-1.safetensors",
+        "model-layer-2.safetensors",
+    }
+    companion = "mlp.experts.down_proj_scales" if layout.startswith("mxfp4") else "mlp.down_proj.qzeros"
+    assert f"model.layers.2.{companion}" in read
+
+
+def test_mxfp4_weights_take_the_serving_dtype(checkpoint):
+    block = load_block(checkpoint("mxfp4-gpt-oss")[0], 1)  # the release's own dtype: bfloat16
+    assert {tensor.dtype for tensor in block.state_dict().values() if tensor.is_floating_point()} == {
+        torch.bfloat16
+    }
+    expected = load_block(checkpoint("mxfp4-gpt-oss")[1], 1, torch.bfloat16).state_dict()
+    assert all(torch.equal(block.state_dict()[name], tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.parametrize(
+    ("layout", "quant_type"), [("gptq-4bit-sym", "int8"), ("awq-gemm", "nf4"), ("mxfp4-gpt-oss", "int8")]
+)
+def test_quant_type_quantizes_the_dequantized_weights_again(checkpoint, layout, quant_type):
+    quantized, reference = checkpoint(layout)
+    config = AutoDistributedConfig.from_pretrained(quantized)
+    block = convert_block(
+        load_block(quantized, 1, torch.float32),
+        1,
+        config,
+        dtype=torch.float32,
+        device="cpu",
+        quant_type=quant_type,
+    )
+    assert {type(module).__name__ for module in block.modules()} >= {QUANTIZED_LINEAR[quant_type]}
+    hidden = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(0))
+    expected_update = load_block(reference, 1, torch.float32)(hidden) - hidden
+    error = (block(hidden) - hidden - expected_update).norm() / expected_update.norm()
+    assert error < MAX_RELATIVE_ERROR[quant_type]
+
+
+def test_gptq_v2_zeros_are_read_without_the_v1_offset():
+    q = torch.randint(0, 16, (64, 8), generator=torch.Generator().manual_seed(0))
+    zeros = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
+    scales = torch.rand(2, 8, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    g_idx = torch.arange(64) // 32
+    tensors = {"o.qweight": pack(q, 4, dim=0), "o.qzeros": pack(zeros, 4, dim=1), "o.scales": scales}
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"}
+    weight = dequantize_gptq(tensors, config, torch.float32)["o.weight"]
+    assert torch.equal(weight, dequantize_by_groups(q, zeros, scales, g_idx))
+
+
+@pytest.mark.parametrize(
+    ("method", "change", "message"),
+    [
+        ("gptq", {"bits": 3}, "gptq with 3 bits is not one petals reads"),
+        ("gptq", {"checkpoint_format": "marlin"}, "gptq checkpoint_format 'marlin' is not one petals reads"),
+        ("gptq", {"group_size": 16}, r"do not match \(wrong bits or group_size"),
+        ("awq", {"version": "gemv"}, "awq version 'gemv' is not one petals reads"),
+        ("awq", {"zero_point": False}, "awq without zero points"),
+    ],
+)
+def test_layouts_petals_does_not_read_are_refused_in_one_line(method, change, message):
+    q = torch.zeros(64, 8, dtype=torch.int64)
+    scales = torch.ones(2, 8, dtype=torch.float16)
+    tensors = {
+        "o.qweight": pack(q, 4, dim=0 if method == "gptq" else 1),
+        "o.qzeros": pack(torch.zeros(2, 8, dtype=torch.int64), 4, dim=1),
+        "o.scales": scales,
+    }
+    config = {"quant_method": method, "bits": 4, "group_size": 32, **change}
+    dequantize = dequantize_gptq if method == "gptq" else dequantize_awq
+    with pytest.raises(CheckpointFormatError, match=message) as error:
+        dequantize(tensors, config, torch.float32)
+    assert "\n" not in str(error.value)
+
+
+def test_mxfp4_blocks_without_scales_are_refused():
+    from petals.checkpoint_formats import dequantize_mxfp4
+
+    with pytest.raises(CheckpointFormatError, match="has no mlp.experts.down_proj_scales"):
+        dequantize_mxfp4(
+            {"mlp.experts.down_proj_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)}, {}, torch.float32
+        )
+
+
+def test_transformers_reads_the_mxfp4_checkpoint_as_petals_does(checkpoint):
+    """transformers' own MXFP4 loader (dequantize=True, on CPU) gets the same weights: the fixture's
+    layout is GPT-OSS's, not only one petals agrees with itself about."""
+    quantized, reference = checkpoint("mxfp4-gpt-oss")
+    model = AutoModelForCausalLM.from_pretrained(
+        quantized, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    for index in range(4):
+        served = load_block(quantized, index, torch.float32).state_dict()
+        assert all(
+            torch.equal(served[name], tensor)
+            for name, tensor in model.model.layers[index].state_dict().items()
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["mxfp4-gpt-oss", "gptq-4bit-act-order-asym", "awq-gemm"])
+def test_greedy_tokens_through_two_servers_equal_transformers(checkpoint, layout):
+    quantized, reference = checkpoint(layout)
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).generate(ids, **kwargs)
+    if layout.startswith("mxfp4"):  # transformers itself loads this one on CPU: the same tokens
+        own = AutoModelForCausalLM.from_pretrained(
+            quantized, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+        ).generate(ids, **kwargs)
+        assert torch.equal(own.sequences, expected.sequences)
+
+    with running_swarm(quantized, "0:2", "2:4") as (dht, servers):
+        method = layout.split("-")[0]
+        for server in servers:
+            assert f"{method} checkpoint dequantized to float32 on cpu" in server.log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            quantized, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4
