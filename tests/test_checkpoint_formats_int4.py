@@ -18,6 +18,8 @@ dequantized by the specification's formula, saved in float32 and loaded by plain
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 import petals
 from conftest import LOOPBACK_CLIENT, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
-from petals.checkpoint_formats import CheckpointFormatError, dequantize_awq, dequantize_gptq
+from petals.checkpoint_formats import CheckpointFormatError, dequantize_awq, dequantize_gptq, dequantized_note
 from petals.convert import convert_block
 from petals.loading import Checkpoint, load_block
 from petals.testing.swarm import running_swarm
@@ -369,11 +371,32 @@ def test_greedy_tokens_through_two_servers_equal_transformers(checkpoint, layout
         method = layout.split("-")[0]
         for server in servers:
             assert f"{method} checkpoint dequantized to float32 on cpu" in server.log
-        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
-            quantized, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(  # GPT-OSS's release says bfloat16
+            quantized, initial_peers=dht.initial_peers, dtype=torch.float32, **LOOPBACK_CLIENT
         )
         output = model.generate(ids, **kwargs)
         model.close()
+        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
+        health = subprocess.run(
+            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert health.stdout.count(f"none ({method} dequantized)") == 2, health.stdout + health.stderr
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+
+
+def test_the_log_says_weights_stay_dequantized_on_an_accelerator():
+    assert dequantized_note("gptq", torch.float16, "cpu", "none") == (
+        "gptq checkpoint dequantized to float16 on cpu as its blocks load"
+    )
+    assert dequantized_note("awq", torch.float16, "cuda:0", "none") == (
+        "awq checkpoint dequantized to float16 on cpu as its blocks load; "
+        "served dequantized on cuda:0 (no awq kernels are used)"
+    )
+    assert dequantized_note("mxfp4", torch.bfloat16, "cuda:0", "nf4").endswith(
+        "(no mxfp4 kernels are used, --quant_type nf4 quantizes them again)"
+    )

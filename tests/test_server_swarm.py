@@ -28,6 +28,7 @@ INFO_FIELDS = {
     "public_name",
     "next_pings",
     "weight_bytes",
+    "dequantized_from",
 }
 
 

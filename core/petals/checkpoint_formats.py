@@ -355,6 +355,19 @@ def dequantize_tensors(
     return format.dequantize(tensors, quantization_config_of(config), dtype or serving_dtype(config))
 
 
+def dequantized_note(
+    method: str, dtype: torch.dtype, device: torch.device | str, quant_type: str | None
+) -> str:
+    """What a server's log says about a quantized checkpoint's weights: dequantized on CPU at load,
+    and on an accelerator still dequantized (no format's own kernels are used), unless ``--quant_type``
+    quantizes them again with bitsandbytes."""
+    note = f"{method} checkpoint dequantized to {str(dtype).removeprefix('torch.')} on cpu as its blocks load"
+    if torch.device(device).type == "cpu":
+        return note
+    again = f", --quant_type {quant_type} quantizes them again" if quant_type not in (None, "none") else ""
+    return f"{note}; served dequantized on {device} (no {method} kernels are used{again})"
+
+
 def serving_dtype(config: PretrainedConfig) -> torch.dtype:
     """What a quantized checkpoint's weights become when no dtype is asked for: the release's own dtype."""
     dtype = getattr(config, "dtype", None)

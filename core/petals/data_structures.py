@@ -78,6 +78,7 @@ _INFO_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
         lambda v: all(isinstance(k, str) and isinstance(x, float) and x >= 0 for k, x in v.items()),
     ),
     "weight_bytes": ((int,), lambda v: v >= 0),
+    "dequantized_from": ((str,), None),
 }
 
 
@@ -101,6 +102,8 @@ class ServerInfo:
     cache_tokens_left: int | None = None
     next_pings: dict[str, float] | None = None
     weight_bytes: int | None = None  # petals-core extension: the hosted blocks' weights, after conversion
+    # petals-core extension: the checkpoint's quant_method when its weights were dequantized at load
+    dequantized_from: str | None = None
 
     def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
         info = dataclasses.asdict(self)

@@ -185,7 +185,8 @@ def server_cells(row: ServerRow) -> list[str]:
         row.state.upper(),
         f"{info.throughput:.1f}",
         info.torch_dtype or "-",
-        info.quant_type or "-",
+        (info.quant_type or "-")
+        + (f" ({info.dequantized_from} dequantized)" if info.dequantized_from else ""),
         ",".join(name.split("/")[-1] for name in info.adapters) or "-",
         _or_dash(row.cache_tokens_left_per_block),
         info.version or "-",

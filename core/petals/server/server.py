@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 import petals
-from petals.checkpoint_formats import checkpoint_format
+from petals.checkpoint_formats import checkpoint_format, dequantized_note
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import (
@@ -190,6 +190,7 @@ class Server:
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
+            dequantized_from=stored.name if (stored := checkpoint_format(self.config)) is not None else None,
         )
 
     def model_info(self) -> ModelInfo:
@@ -292,9 +293,10 @@ class ServingSpan:
         stored_as = checkpoint_format(self.server.config)
         if stored_as is not None:
             logger.info(
-                "%s checkpoint dequantized to %s on cpu as its blocks load",
-                stored_as.name,
-                str(self.settings.dtype).removeprefix("torch."),
+                "%s",
+                dequantized_note(
+                    stored_as.name, self.settings.dtype, self.settings.device, self.settings.quant_type
+                ),
             )
         backends = []
         hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
