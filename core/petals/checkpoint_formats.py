@@ -103,8 +103,9 @@ def dequantize_mxfp4(
     of two + 127) for ``P`` in ``gate_up_proj``, ``down_proj``; every other tensor is dense.
 
     The dequantization is transformers' own (``integrations.mxfp4.convert_moe_packed_tensors``, which
-    also transposes to the layout of transformers' experts), in chunks of ``MXFP4_ROWS_PER_CHUNK``
-    groups so that its index temporaries stay small; only the pairing of names and the checks are ours.
+    also transposes to the layout of transformers' experts), one expert at a time and in chunks of
+    ``MXFP4_ROWS_PER_CHUNK`` groups so that its temporaries stay small; only the pairing of names,
+    the checks and that loop are ours.
     """
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -128,9 +129,16 @@ def dequantize_mxfp4(
                 f"{name}: blocks {tuple(blocks.shape)} need scales of shape {tuple(blocks.shape[:-1])}, "
                 f"the checkpoint has {tuple(scales.shape)}"
             )
-        plain[weight_name] = convert_moe_packed_tensors(
-            blocks, scales, dtype=dtype, rows_per_chunk=MXFP4_ROWS_PER_CHUNK
-        )
+        experts, rows, groups, _ = blocks.shape
+        weight = torch.empty(experts, groups * 32, rows, dtype=dtype)
+        for expert in range(experts):  # one expert's temporaries at a time, not the whole tensor's
+            weight[expert] = convert_moe_packed_tensors(
+                blocks[expert : expert + 1],
+                scales[expert : expert + 1],
+                dtype=dtype,
+                rows_per_chunk=MXFP4_ROWS_PER_CHUNK,
+            )[0]
+        plain[weight_name] = weight
     orphans = [
         name
         for name in tensors
@@ -173,16 +181,23 @@ def dequantize_gptq(
     plain = _without_companions(tensors, ("qweight", "qzeros", "scales", "g_idx"))
     for prefix in _packed_linears(tensors):
         qweight, qzeros, scales = _companions(tensors, prefix, ("qweight", "qzeros", "scales"))
-        in_features = qweight.shape[0] * 32 // bits
-        quantized = _unpack(qweight, bits, dim=0)
-        zeros = (_unpack(qzeros, bits, dim=1)[:, : scales.shape[1]] + zero_offset) & ((1 << bits) - 1)
+        per_word = 32 // bits
+        in_features, out_features = qweight.shape[0] * per_word, qweight.shape[1]
+        zeros = (_unpack(qzeros, bits, dim=1)[:, :out_features] + zero_offset) & ((1 << bits) - 1)
         g_idx = tensors.get(prefix + "g_idx")
         if g_idx is None:
             g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
         g_idx = g_idx.long()
-        _check_shapes(prefix, quantized, zeros, scales, g_idx)
-        weight = (quantized - zeros[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]
-        plain[prefix + "weight"] = weight.T.contiguous()
+        _check_shapes(prefix, in_features, out_features, zeros, scales, g_idx)
+        plain[prefix + "weight"] = _dequantize_by_inputs(
+            lambda start, stop, packed=qweight, per=per_word: _unpack(
+                packed[start // per : stop // per], bits, 0
+            ),
+            zeros,
+            scales,
+            g_idx,
+            dtype,
+        )
     return _to_dtype(plain, dtype)
 
 
@@ -218,12 +233,12 @@ def dequantize_awq(
             values = _unpack(packed, bits, dim=1).reshape(packed.shape[0], -1, 8)
             return values[:, :, reverse].reshape(packed.shape[0], -1)
 
-        quantized, zeros = unpack(qweight), unpack(qzeros)
-        in_features = quantized.shape[0]
+        in_features, out_features, zeros = qweight.shape[0], qweight.shape[1] * 32 // bits, unpack(qzeros)
         g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
-        _check_shapes(prefix, quantized, zeros, scales, g_idx)
-        weight = (quantized - zeros[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]
-        plain[prefix + "weight"] = weight.T.contiguous()
+        _check_shapes(prefix, in_features, out_features, zeros, scales, g_idx)
+        plain[prefix + "weight"] = _dequantize_by_inputs(
+            lambda start, stop, packed=qweight: unpack(packed[start:stop]), zeros, scales, g_idx, dtype
+        )
     return _to_dtype(plain, dtype)
 
 
@@ -283,10 +298,39 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(packed.shape[0], -1)
 
 
+CHUNK_ELEMENTS = 1 << 18  # weights of a packed linear dequantized at a time (whole runs of 32 inputs)
+
+
+def _dequantize_by_inputs(
+    unpack_inputs: Callable[[int, int], torch.Tensor],
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``W[o, i] = scales[g_idx[i], o] * (q[i, o] - zeros[g_idx[i], o])`` in float32, rounded once to
+    ``dtype``; ``unpack_inputs(start, stop)`` gives ``q[start:stop]``. A chunk of inputs at a time, so
+    that loading needs the dense weight and small temporaries, not float32 copies of the whole."""
+    in_features, out_features = g_idx.shape[0], scales.shape[1]
+    weight = torch.empty(out_features, in_features, dtype=dtype)
+    scales = scales.to(torch.float32)
+    inputs_per_chunk = max(32, CHUNK_ELEMENTS // max(out_features, 1) // 32 * 32)
+    for start in range(0, in_features, inputs_per_chunk):
+        stop = min(start + inputs_per_chunk, in_features)
+        groups = g_idx[start:stop]
+        chunk = (unpack_inputs(start, stop) - zeros[groups]).to(torch.float32) * scales[groups]
+        weight[:, start:stop] = chunk.T
+    return weight
+
+
 def _check_shapes(
-    prefix: str, quantized: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+    prefix: str,
+    in_features: int,
+    out_features: int,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
 ) -> None:
-    in_features, out_features = quantized.shape
     groups = int(g_idx.max()) + 1 if g_idx.numel() else 0
     if (
         g_idx.shape != (in_features,)
