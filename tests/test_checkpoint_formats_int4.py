@@ -400,3 +400,26 @@ def test_the_log_says_weights_stay_dequantized_on_an_accelerator():
     assert dequantized_note("mxfp4", torch.bfloat16, "cuda:0", "nf4").endswith(
         "(no mxfp4 kernels are used, --quant_type nf4 quantizes them again)"
     )
+
+
+@pytest.mark.slow
+def test_a_server_quantizes_a_gptq_checkpoint_again_with_quant_type(checkpoint):
+    quantized, reference = checkpoint("gptq-4bit-sym")
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
+    with running_swarm(quantized, "0:4", server_args=["--quant_type", "int8"]) as (dht, servers):
+        assert "gptq checkpoint dequantized to float32 on cpu" in servers[0].log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            quantized, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        logits = model(ids).logits
+        model.close()
+        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
+        health = subprocess.run(
+            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert "int8 (gptq dequantized)" in health.stdout, health.stdout + health.stderr
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)(ids).logits
+    assert (logits - expected).norm() / expected.norm() < MAX_RELATIVE_ERROR["int8"]
