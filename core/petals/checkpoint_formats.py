@@ -4,8 +4,10 @@ A quantized release names its format in config.json's ``quantization_config.quan
 ``FORMATS`` maps each method petals reads to a ``CheckpointFormat``, whose ``dequantize`` turns one
 block's stored tensors (weights and their scales, under the checkpoint's names) into floating-point
 weights of the serving dtype, on CPU, at load. The block itself is then built and served as for an
-unquantized checkpoint (``--quant_type`` quantizes those weights again, if asked). A method not in
-the table is refused by name; a new one is a row here and its tests.
+unquantized checkpoint (``--quant_type`` quantizes those weights again, if asked). On an
+accelerator too the weights stay dequantized: no format's own kernels are used, and the server's
+log line (``dequantized_note``) and ``petals health`` (``ServerInfo.dequantized_from``) say so. A
+method not in the table is refused by name; a new one is a row here and its tests.
 
 What is ours and what is transformers': FP8 block scaling is a multiplication written here; MXFP4
 uses transformers' own ``convert_moe_packed_tensors``; GPTQ and AWQ unpacking is written by hand
