@@ -253,7 +253,7 @@ class Forms:
         )
 
     def step(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
-        """All three forms' outputs of one step; raise if they differ by more than ``ATOL``."""
+        """All three forms' outputs of one step, each on its own cache."""
         outputs = {
             "ours": self.ours(hidden_states),
             "transformers": self.transformers(hidden_states),
