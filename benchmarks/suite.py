@@ -4,6 +4,7 @@ from benchmarks import (
     api_overhead,
     cache_kinds,
     concurrent_sessions,
+    deepseek_latent,
     forward_throughput,
     generation_latency,
     private_swarm,
@@ -33,4 +34,5 @@ SUITE = {
     **speculative.BENCHMARKS,
     **swarm_scale.BENCHMARKS,  # no swarm: a simulation
     **cache_kinds.BENCHMARKS,  # no swarm: one block's cache in this process
+    **deepseek_latent.BENCHMARKS,  # no swarm: one DeepSeek layer in three forms in this process
 }

@@ -26,9 +26,9 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     # the six measurements of the suite's issue, the transport floor (g), the wide-area latency (h),
     # petals api's overhead (i), a private swarm's cost (p), speculative decoding (s), prompt tuning (t), the
-    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k); (a) and (b) also at one torch
-    # thread everywhere
-    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "p", "s", "t", "w"]
+    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k), DeepSeek's latent cache (l); (a)
+    # and (b) also at one torch thread everywhere
+    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "l", "p", "s", "t", "w"]
     for record in records:
         assert record["quick"] is True
         assert isinstance(record["ratio"], float) and record["ratio"] > 0
@@ -73,6 +73,33 @@ def test_cache_kinds_hold_what_each_kind_keeps_and_no_more_than_transformers(tmp
     assert ("linear attention (Qwen3-Next)" in result.stdout) != (
         "linear attention: not served by this build" in result.stdout
     )
+
+
+def test_deepseek_latent_prints_bytes_per_token_and_times_three_equal_forms(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.deepseek_latent", "--quick", "--results", str(tmp_path)],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((tmp_path / "deepseek_latent.json").read_text())
+    # DeepSeek V3's sizes: 512 + 64 values a token (the plugin's spec) against 128 heads x (192 + 128)
+    assert record["measurements"]["bytes_per_token"] == {
+        "latent": {"torch.bfloat16": 576 * 2, "torch.float32": 576 * 4},
+        "expanded": {"torch.bfloat16": 40_960 * 2, "torch.float32": 40_960 * 4},
+    }
+    assert re.search(r"^    expanded / latent: 71\.11x", result.stdout, re.M), result.stdout
+    decode = record["measurements"]["decode"]
+    assert sorted(map(int, decode)) == [32, 96]
+    for length, row in decode.items():
+        assert row["max_abs_diff"] <= 1e-4
+        assert set(row["seconds"]) == {"ours", "transformers", "expanded"}
+        # the served block's pages hold what transformers' latent holds; the expanded form 2 x (192 + 128)
+        # values a token (the quick layer's 2 heads)
+        assert row["bytes"]["ours"] == row["bytes"]["transformers"] == int(length) * 576 * 4
+        assert row["bytes"]["expanded"] == int(length) * 2 * (192 + 128) * 4
 
 
 def test_cpu_split_reports_each_process_of_the_swarm():
