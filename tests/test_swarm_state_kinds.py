@@ -1,0 +1,97 @@
+"""The fixed-size-state cache kinds beyond gated delta nets are exact in a real swarm.
+
+A ``petals dht`` and two ``petals serve`` processes (blocks 0:2 and 2:4) serve a tiny random model saved
+in the Hugging Face layout; the distributed model's greedy tokens (and logits) equal transformers'
+``generate`` on the same files:
+
+* short convolutions beside attention (LFM2: ``conv`` layers, whose cache is the convolution's last
+  inputs and nothing else, then a full-attention layer on each server);
+* a Mamba2 mixer beside attention in every layer (Falcon-H1's ``hybrid`` layers: a convolution's inputs
+  and an SSM state per sequence, and keys and values per token, in one layer).
+
+A state the server stored wrong (not at all after a fused single-token step, say) shows in the logits
+within a token: the SSM heads are made slow to forget, so that the state carries the session's history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, FalconH1Config, Lfm2Config
+
+import petals
+from conftest import LOOPBACK_CLIENT, save_random_model
+from petals.block import cache_spec
+from petals.kv_cache import FullAttentionSpec, HybridSpec, LinearAttentionSpec
+from petals.testing.swarm import running_swarm
+
+PROMPT = 8
+NEW_TOKENS = 16
+HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
+MODELS = {
+    # each server holds a short convolution and a full-attention layer
+    "short-convolutions-and-attention": Lfm2Config(
+        **TINY, block_auto_adjust_ff_dim=False, conv_L_cache=3, layer_types=["conv", "full_attention"] * 2
+    ),
+    "mamba2-beside-attention": FalconH1Config(
+        **TINY,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=4,
+    ),
+}
+SHORT_CONV = LinearAttentionSpec(conv_dim=64, conv_kernel=3, recurrent_shape=None)
+MAMBA2 = LinearAttentionSpec(conv_dim=64 + 2 * 2 * 8, conv_kernel=4, recurrent_shape=(4, 16, 8))
+SPECS = {  # what each block caches, as servers budget it
+    "short-convolutions-and-attention": [SHORT_CONV, FullAttentionSpec(**HEADS)] * 2,
+    "mamba2-beside-attention": [HybridSpec(attention=FullAttentionSpec(**HEADS), state=MAMBA2)] * 4,
+}
+
+
+def slow_to_forget(model: torch.nn.Module) -> None:
+    """An SSM head decays its state by exp(-exp(A_log) dt) a token; with A = 0.01 it keeps the history."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(math.log(0.01))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_greedy_tokens_equal_transformers(kind, tmp_path):
+    path = save_random_model(MODELS[kind], tmp_path / kind, adjust=slow_to_forget)
+    ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
+
+    with running_swarm(path, "0:2", "2:4") as (dht, _servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
+        )
+        assert [cache_spec(model.config, index) for index in range(4)] == SPECS[kind]
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    # tokens alone are coarse on a tiny random model: the logits show whether every cache is exact
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4
