@@ -7,7 +7,10 @@ in the Hugging Face layout; the distributed model's greedy tokens (and logits) e
 * short convolutions beside attention (LFM2: ``conv`` layers, whose cache is the convolution's last
   inputs and nothing else, then a full-attention layer on each server);
 * a Mamba2 mixer beside attention in every layer (Falcon-H1's ``hybrid`` layers: a convolution's inputs
-  and an SSM state per sequence, and keys and values per token, in one layer).
+  and an SSM state per sequence, and keys and values per token, in one layer);
+* delta attention beside latent attention (Kimi Linear: Kimi Delta Attention layers, a short convolution
+  and a per-channel-decay delta rule state per sequence; a latent attention layer without positions,
+  then routed and shared experts, on the second server).
 
 A state the server stored wrong (not at all after a fused single-token step, say) shows in the logits
 within a token: the SSM heads are made slow to forget, so that the state carries the session's history.
@@ -19,7 +22,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, FalconH1Config, Lfm2Config
+from transformers import AutoModelForCausalLM, FalconH1Config, KimiLinearConfig, Lfm2Config
 
 import petals
 from conftest import LOOPBACK_CLIENT, save_random_model
@@ -53,10 +56,33 @@ MODELS = {
         mamba_d_conv=4,
         mamba_chunk_size=4,
     ),
+    # blocks 0:2 are delta attention layers; 2:4 the latent attention layer and one more delta layer
+    "delta-and-latent-attention": KimiLinearConfig(
+        **{**TINY, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        linear_num_heads=2,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    ),
 }
 SHORT_CONV = LinearAttentionSpec(conv_dim=64, conv_kernel=3, recurrent_shape=None)
 MAMBA2 = LinearAttentionSpec(conv_dim=64 + 2 * 2 * 8, conv_kernel=4, recurrent_shape=(4, 16, 8))
+DELTA = LinearAttentionSpec(conv_dim=3 * 2 * 16, conv_kernel=4, recurrent_shape=(2, 16, 16))
+LATENT = FullAttentionSpec(num_kv_heads=1, key_dim=16, value_dim=8, num_query_heads=4)
 SPECS = {  # what each block caches, as servers budget it
+    "delta-and-latent-attention": [DELTA, DELTA, LATENT, DELTA],
     "short-convolutions-and-attention": [SHORT_CONV, FullAttentionSpec(**HEADS)] * 2,
     "mamba2-beside-attention": [HybridSpec(attention=FullAttentionSpec(**HEADS), state=MAMBA2)] * 4,
 }
