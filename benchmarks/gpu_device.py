@@ -73,6 +73,7 @@ OWN = [
     "petals_olmo",
     "petals_phi",
     "petals_granite",
+    "petals_lfm",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

@@ -16,12 +16,13 @@ from petals.plugins import DuplicateModelTypeError, PluginManager, UnknownModelT
 
 FAMILIES = {
     "bloom": "bloom",
-    "deepseek": "deepseek_v2, deepseek_v3",
-    "falcon": "falcon",
+    "deepseek": "deepseek_v2, deepseek_v3, kimi_linear",
+    "falcon": "falcon, falcon_h1",
     "gemma": "gemma, gemma2, gemma3_text",
     "glm": "glm4, glm4_moe",
     "gpt_oss": "gpt_oss",
     "granite": "granite, granitemoe",
+    "lfm": "lfm2",
     "llama": "llama, llama4_text, smollm3",
     "mistral": "ministral3, mistral",
     "mixtral": "mixtral",
@@ -89,10 +90,10 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, gemma, "
-        "gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, ministral3, mistral, mixtral, olmo2, "
-        "olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next"
-        in failed.stderr
+        "model type 'llama' has no installed plugin; installed: bloom, deepseek_v2, deepseek_v3, falcon, falcon_h1, "
+        "gemma, gemma2, gemma3_text, glm4, glm4_moe, gpt_oss, granite, granitemoe, kimi_linear, lfm2, ministral3, "
+        "mistral, mixtral, olmo2, olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, "
+        "qwen3_next" in failed.stderr
     )
 
 
@@ -202,7 +203,7 @@ def test_importing_petals_and_loading_plugins_is_lazy():
             "llama", "bloom", "falcon", "mixtral", "deepseek_v2", "deepseek_v3",
             "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "gemma", "gemma2", "gemma3", "mistral",
             "ministral3", "gpt_oss", "llama4", "smollm3", "glm4", "glm4_moe", "olmo2", "olmo3", "olmoe",
-            "phi3", "phimoe", "granite", "granitemoe",
+            "phi3", "phimoe", "granite", "granitemoe", "lfm2", "falcon_h1", "kimi_linear",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"

@@ -15,7 +15,6 @@ queries, keys and values (``linear_num_heads x linear_head_dim`` each) and a flo
 """
 
 from petals import hookimpl
-from petals.kv_cache.specs import layer_kind
 from petals_deepseek.config import (
     DistributedDeepseekV2Config,
     DistributedDeepseekV3Config,
@@ -36,6 +35,7 @@ def cache_spec(config, block_index: int):
     two tensors the layer hands ``cache.update``), read by all query heads; Kimi Linear's delta
     attention layers: their state."""
     from petals.kv_cache import FullAttentionSpec, LinearAttentionSpec
+    from petals.kv_cache.specs import layer_kind
 
     if layer_kind(config, block_index)[0] == "linear_attention":
         width = config.linear_num_heads * config.linear_head_dim

@@ -6,8 +6,6 @@ of its convolution over ``x``, ``B`` and ``C``, and a ``head_dim x d_state`` flo
 its attention's keys and values per token: a ``HybridSpec``."""
 
 from petals import hookimpl
-from petals.kv_cache import FullAttentionSpec, HybridSpec, LinearAttentionSpec
-from petals.kv_cache.specs import attention_sizes
 from petals_falcon.config import DistributedFalconConfig, DistributedFalconH1Config
 
 
@@ -21,6 +19,9 @@ def register_model_families(register) -> None:
 def cache_spec(config, block_index: int):
     if config.model_type != "falcon_h1":
         return None
+    from petals.kv_cache import FullAttentionSpec, HybridSpec, LinearAttentionSpec  # torch: not on loading
+    from petals.kv_cache.specs import attention_sizes
+
     inner = (
         config.mamba_d_ssm
         if config.mamba_d_ssm is not None

@@ -6,8 +6,6 @@ length. They are served as a fixed-size state without a recurrent part; the atte
 core's default description (keys and values of the attention's own projections)."""
 
 from petals import hookimpl
-from petals.kv_cache import LinearAttentionSpec
-from petals.kv_cache.specs import layer_kind
 from petals_lfm.config import DistributedLfm2Config
 
 
@@ -18,6 +16,9 @@ def register_model_families(register) -> None:
 
 @hookimpl
 def cache_spec(config, block_index: int):
+    from petals.kv_cache import LinearAttentionSpec  # torch: not on loading plugins (a DHT peer has none)
+    from petals.kv_cache.specs import layer_kind
+
     if layer_kind(config, block_index)[0] != "conv":
         return None
     return LinearAttentionSpec(

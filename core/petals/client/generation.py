@@ -68,7 +68,7 @@ class RemoteGenerationMixin:
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """transformers' check of ``generate``'s extra arguments, less the two this mixin passes itself:
         it reads the accepted names from ``prepare_inputs_for_generation`` and, where that takes
-        ``**kwargs`` only (Falcon-H1's), from ``forward``, whose distributed one takes ``*args, **kwargs``."""
+        ``**kwargs`` only (some families'), from ``forward``, whose distributed one takes ``*args, **kwargs``."""
         ours = ("cache", "attention_mask")
         super()._validate_model_kwargs({key: value for key, value in model_kwargs.items() if key not in ours})
 
