@@ -2,7 +2,8 @@
 
 A ``petals dht`` and two ``petals serve`` processes (blocks 0:2 and 2:4) serve a tiny random model saved
 in the Hugging Face layout; the distributed model's greedy tokens (and logits) equal transformers'
-``generate`` on the same files:
+``generate`` on the same files, and its logits equal transformers' after the session rolls back three
+tokens and goes on with others (the servers restore the states they kept before those steps):
 
 * short convolutions beside attention (LFM2: ``conv`` layers, whose cache is the convolution's last
   inputs and nothing else, then a full-attention layer on each server);
@@ -98,7 +99,7 @@ def slow_to_forget(model: torch.nn.Module) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_greedy_tokens_equal_transformers(kind, tmp_path):
+def test_greedy_tokens_and_a_rollback_equal_transformers(kind, tmp_path):
     path = save_random_model(MODELS[kind], tmp_path / kind, adjust=slow_to_forget)
     ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     kwargs = dict(
@@ -116,8 +117,23 @@ def test_greedy_tokens_equal_transformers(kind, tmp_path):
         )
         assert [cache_spec(model.config, index) for index in range(4)] == SPECS[kind]
         output = model.generate(ids, **kwargs)
+        # a prompt and single random tokens (a tiny random model's greedy tokens soon repeat one token, and
+        # then every recent state is alike), then a rollback past the last three (a state goes back to the
+        # start of one of its last steps) and other tokens from there: the servers restore what they kept
+        tokens = torch.randint(3, 1000, (1, PROMPT + 8), generator=torch.Generator().manual_seed(8))
+        with model.inference_session(max_length=PROMPT + 8) as session:
+            model(tokens[:, :PROMPT])
+            for position in range(PROMPT, PROMPT + 6):
+                model(tokens[:, position : position + 1])
+            start = session.position - 3
+            session.rollback(start)
+            after_rollback = model(tokens[:, -2:]).logits
         model.close()
     assert torch.equal(output.sequences, expected.sequences)
     # tokens alone are coarse on a tiny random model: the logits show whether every cache is exact
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        expected_after = local(torch.cat([tokens[:, :start], tokens[:, -2:]], dim=1)).logits[:, -2:]
+    assert (after_rollback - expected_after).abs().max().item() < 1e-4
