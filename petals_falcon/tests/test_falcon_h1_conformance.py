@@ -2,6 +2,7 @@
 rotary grouped-query attention: its cache is both a fixed-size state (the convolution's inputs and the
 SSM state, float32) and keys and values per token, served as one hybrid kind."""
 
+import pytest
 import torch
 from transformers import FalconH1Config
 
@@ -62,3 +63,14 @@ def test_a_hybrid_cache_holds_both_parts():
     cache = open_cache(HYBRID, 2, 32, dtype)
     assert cache.nbytes == cache.attention.nbytes + 2 * HYBRID.bytes_per_sequence(dtype)
     cache.release()
+
+
+def test_tensor_parallelism_is_refused_in_one_line():
+    from petals.block import make_block
+    from petals.convert.tensor_parallel import make_tensor_parallel
+
+    config = get_plugin_manager().family("falcon_h1").config_class.from_dict(CONFIG.to_dict())
+    with pytest.raises(
+        NotImplementedError, match="^model type 'falcon_h1': a full attention and linear attention"
+    ):
+        make_tensor_parallel(make_block(config, 0), config, ["cpu", "cpu"])
