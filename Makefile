@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral petals_deepseek petals_qwen \
 	petals_gemma petals_mistral petals_gpt_oss petals_glm petals_olmo petals_phi petals_granite \
-	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax
+	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax petals_lfm
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
 EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate
@@ -18,7 +18,7 @@ OLDEST_INSTALLED := $(OLDEST_VENV)/.installed
 # real swarm end to end with failover, the CLI's one-line errors, and that every patch fits what it patches
 OLDEST_TESTS := tests/test_conformance.py tests/test_plugins.py plugins petals_deepseek petals_qwen petals_llama/tests \
 	petals_gemma petals_mistral petals_gpt_oss petals_glm petals_olmo petals_phi petals_granite tests/test_client_failover.py \
-	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax \
+	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax petals_lfm petals_falcon/tests \
 	tests/test_cli_errors.py \
 	tests/test_patches.py::test_every_patch_declares_what_it_replaces_where_it_was_checked_and_fits_the_installed_code
 

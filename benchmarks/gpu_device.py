@@ -78,6 +78,7 @@ OWN = [
     "petals_ernie",
     "petals_dots",
     "petals_minimax",
+    "petals_lfm",
     "plugins/petals_qwen2",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]

@@ -1,8 +1,10 @@
 """What each block caches (its cache spec, per kind) and the server cache's own rules."""
 
+import asyncio
+
 import pytest
 import torch
-from transformers import DeepseekV3Config, DynamicCache, Lfm2Config, Qwen3NextConfig
+from transformers import DeepseekV3Config, DynamicCache, FalconH1Config, Lfm2Config, Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from conftest import tiny_config
@@ -13,6 +15,7 @@ from petals.kv_cache import (
     AttentionCache,
     CacheOverflowError,
     FullAttentionSpec,
+    HybridSpec,
     LinearAttentionSpec,
     LinearAttentionState,
     PagePool,
@@ -23,6 +26,9 @@ from petals.kv_cache import (
     describe_block,
     open_cache,
 )
+from petals.plugins import get_plugin_manager
+from petals.server.backend import BlockBackend
+from petals.server.cache_budget import AllocationFailed, CacheBudget
 from petals_llama.config import DistributedLlamaConfig
 
 
@@ -271,3 +277,56 @@ def test_config_kv_attributes_decide_what_servers_allocate(tmp_path):
         num_kv_heads=4, key_dim=16, value_dim=16, num_query_heads=4
     )
     assert allocate_cache(wider, 1, 8).nbytes == 8 * 2 * 4 * 16 * 4
+
+
+# a state-space mixer beside attention in one layer: 2 key/value heads of 8, a conv over 24 channels and
+# a 4 x 2 state per head
+MIXER_AND_ATTENTION = HybridSpec(
+    attention=FullAttentionSpec(num_kv_heads=2, key_dim=8, value_dim=8, num_query_heads=4),
+    state=LinearAttentionSpec(conv_dim=24, conv_kernel=4, recurrent_shape=(2, 4, 2)),
+)
+
+
+def test_a_hybrid_cache_rewinds_only_where_its_state_can_and_keeps_its_keys_then():
+    cache = open_cache(MIXER_AND_ATTENTION, 1, 16)
+    for new_tokens in (5, 1, 1):  # as a forward does: reserve, snapshot the state, write both
+        cache.reserve(new_tokens)
+        cache.state.snapshot()
+        cache.state.stepped(new_tokens)
+        cache.attention.length += new_tokens
+    with pytest.raises(
+        ValueError, match="^cannot rewind to position 3: a linear-attention state goes back only"
+    ):
+        cache.rewind(3)  # inside the prefill: no state was kept there
+    assert cache.position == cache.state.position == 7  # and the keys and values are all still there
+    cache.rewind(6)
+    assert cache.position == cache.state.position == 6
+    cache.release()
+    assert cache.attention.pool.free_pages == cache.attention.pool.num_pages
+
+
+def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():
+    tiny = FalconH1Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4,
+    )  # fmt: skip
+    config = get_plugin_manager().family("falcon_h1").config_class.from_dict(tiny.to_dict())
+    backends = [
+        BlockBackend(f"h1.{index}", index, torch.nn.Identity(), config, torch.float32, torch.device("cpu"))
+        for index in range(2)
+    ]
+    assert all(isinstance(backend.cache_spec, HybridSpec) for backend in backends)
+    budget = CacheBudget(backends, tokens_per_block=2 * TOKENS_PER_SEQUENCE)  # pages of 512 tokens, 2 states
+    spec = backends[0].cache_spec
+    assert budget.nbytes == 2 * spec.budget_bytes(2 * TOKENS_PER_SEQUENCE, torch.float32)
+    assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE
+    with pytest.raises(AllocationFailed, match="needs 3 × 1 sequence states of cache in block 0"):
+        asyncio.run(budget.admit(backends, 3, 64, 8, timeout=0))
+    asyncio.run(budget.admit(backends, 2, 64, 8, timeout=0))
+    caches = budget.open_caches(backends, 2, 64)  # both states of each block are taken
+    assert budget.tokens_left == 0
+    with pytest.raises(AllocationFailed, match="needs 1 sequence states in block 0, 0 are free"):
+        asyncio.run(budget.admit(backends, 1, 64, 8, timeout=0))
+    for cache in caches:
+        cache.release()
+    assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE

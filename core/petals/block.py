@@ -37,6 +37,7 @@ _MASK_FUNCTIONS = {
     "sliding_attention": create_sliding_window_causal_mask,
     "chunked_attention": create_chunked_causal_mask,
     "linear_attention": create_recurrent_attention_mask,  # padding rows only: a state has no positions
+    "conv": create_recurrent_attention_mask,  # a short convolution's state has no positions either
 }
 _WINDOWED = ("sliding_attention", "chunked_attention")
 
@@ -68,6 +69,15 @@ class ServerBlockMixin:
         self._config_key = (type(self), self.rotary_class, self.layer_type, _config_json(config))
         # read once: config attribute access is slow, and steps ask per block
         self._sdpa_full_attention = config._attn_implementation == "sdpa" and not self.uses_sliding_window
+
+    def __call__(self, hidden_states: torch.Tensor, cache=None, *args, **kwargs):
+        """The block's forward; then a cache that keeps a state the layer may have updated in place (a
+        convolution's inputs, a state-space recurrence: ``finish_step``) stores it for the step's tokens."""
+        output = super().__call__(hidden_states, cache, *args, **kwargs)
+        finish_step = getattr(cache, "finish_step", None)
+        if finish_step is not None:
+            finish_step(hidden_states.shape[1])
+        return output
 
     @classmethod
     def prepare_config(cls, config: PretrainedConfig, block_index: int) -> PretrainedConfig:

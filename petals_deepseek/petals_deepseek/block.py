@@ -1,3 +1,4 @@
+import torch
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
     DeepseekV2DecoderLayer,
     DeepseekV2RotaryEmbedding,
@@ -6,8 +7,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3RotaryEmbedding,
 )
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDecoderLayer
 
-from petals.block import RotaryBlockMixin
+from petals.block import RotaryBlockMixin, ServerBlockMixin
+from petals.kv_cache import PagedCache
 
 
 class DeepseekV3Block(RotaryBlockMixin, DeepseekV3DecoderLayer):
@@ -21,3 +24,19 @@ class DeepseekV2Block(RotaryBlockMixin, DeepseekV2DecoderLayer):
     """One DeepSeek V2 layer: as V3's, with V2's router and rotary embedding."""
 
     rotary_class = DeepseekV2RotaryEmbedding
+
+
+class KimiLinearBlock(ServerBlockMixin, KimiLinearDecoderLayer):
+    """One Kimi Linear layer: Kimi Delta Attention (a gated delta rule with per-channel decay, after a
+    short convolution) or latent attention without positions (NoPE), as ``layer_types`` says for its
+    index, then a dense MLP or shared and routed experts (``mlp_layer_types``)."""
+
+    def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
+        position_ids = self.position_ids(hidden_states, cache)
+        return super().forward(
+            hidden_states,
+            attention_mask=self.causal_mask(hidden_states, cache, position_ids),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+        )

@@ -1,10 +1,16 @@
 import math
 
 import torch
+from transformers.masking_utils import create_recurrent_attention_mask
 from transformers.models.falcon.modeling_falcon import (
     FalconDecoderLayer,
     FalconRotaryEmbedding,
     build_alibi_tensor,
+)
+from transformers.models.falcon_h1.modeling_falcon_h1 import (
+    FalconH1DecoderLayer,
+    FalconH1RotaryEmbedding,
+    compute_mup_vector,
 )
 
 from petals.block import ServerBlockMixin
@@ -48,3 +54,33 @@ class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         biased = alibi.reshape(batch_size, -1, *alibi.shape[1:]) / math.sqrt(head_dim)
         return alibi, torch.masked_fill(biased, mask < -1, min_dtype)
+
+
+class FalconH1Block(ServerBlockMixin, FalconH1DecoderLayer):
+    """One Falcon-H1 layer: a Mamba2 mixer and rotary attention side by side on the same input, then an
+    MLP. Its cache is both (``HybridSpec``): the mixer's state and the attention's keys and values."""
+
+    rotary_class = FalconH1RotaryEmbedding
+
+    def __init__(self, config, block_index: int = 0) -> None:
+        super().__init__(config, block_index)
+        # FalconH1Model gives each mixer its muP multipliers as a buffer not saved in checkpoints
+        with torch.device("cpu"):
+            self.mamba.register_buffer("mup_vector", compute_mup_vector(self.config), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
+        position_ids = self.position_ids(hidden_states, cache)
+        return super().forward(
+            hidden_states,
+            attention_mask=self.causal_mask(hidden_states, cache, position_ids),
+            mamba_attention_mask=create_recurrent_attention_mask(
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=self.attention_mask(hidden_states, cache) if cache is not None else None,
+                cache=cache,
+            ),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary_embeddings(hidden_states, position_ids, cache),
+        )[0]

@@ -1,4 +1,4 @@
-from transformers import FalconConfig
+from transformers import FalconConfig, FalconH1Config
 
 from petals.config import DistributedConfigMixin, LazyClass
 
@@ -18,3 +18,12 @@ class DistributedFalconConfig(DistributedConfigMixin, FalconConfig):
         if self.multi_query:
             return self.num_attention_heads
         return 1
+
+
+class DistributedFalconH1Config(DistributedConfigMixin, FalconH1Config):
+    """Falcon-H1: every layer runs a Mamba2 mixer beside attention (transformers' ``hybrid`` layers)."""
+
+    block_class = LazyClass("petals_falcon.block:FalconH1Block")
+    attn_class = LazyClass("transformers.models.falcon_h1.modeling_falcon_h1:FalconH1Attention")
+    block_prefix = "model.layers"
+    block_output_is_tuple = True

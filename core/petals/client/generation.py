@@ -65,6 +65,13 @@ class RemoteGenerationMixin:
         with remote.inference_session(max_length=max_length) as new_session:
             return self._generate_in_session(new_session, inputs, *args, **kwargs)
 
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """transformers' check of ``generate``'s extra arguments, less the two this mixin passes itself:
+        it reads the accepted names from ``prepare_inputs_for_generation`` and, where that takes
+        ``**kwargs`` only (some families'), from ``forward``, whose distributed one takes ``*args, **kwargs``."""
+        ours = ("cache", "attention_mask")
+        super()._validate_model_kwargs({key: value for key, value in model_kwargs.items() if key not in ours})
+
     def _generate_in_session(self, session: InferenceSession, inputs: torch.Tensor | None, *args, **kwargs):
         inputs = kwargs.pop("input_ids", inputs)
         _check_unpadded(kwargs.pop("attention_mask", None), inputs)

@@ -82,7 +82,13 @@ class TensorParallelBlock(nn.Module):
 
         self.devices = [torch.device(device) for device in devices]
         # what each shard caches: refuses, in one line, heads that do not split over the devices
-        self.shard_spec = cache_spec(config, getattr(block, "block_index", 0)).sharded(len(self.devices))
+        spec = cache_spec(config, getattr(block, "block_index", 0))
+        if not hasattr(spec, "sharded"):  # a fixed-size state (or a layer with one) has no heads split yet
+            raise NotImplementedError(
+                f"model type {config.model_type!r}: a {spec.describe()} cache cannot be split over devices "
+                "yet; serve it without --tensor_parallel_devices"
+            )
+        self.shard_spec = spec.sharded(len(self.devices))
         plan = (
             get_plugin_manager()
             .family_hooks(config)

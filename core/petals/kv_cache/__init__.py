@@ -16,7 +16,9 @@ engine, the sessions and tensor-parallel shards use without asking which kind th
 Attention kinds keep keys and values in fixed-size pages from one ``PagePool`` per block, taken as
 sessions grow and given back when they rewind, slide past their window or end, so memory is held
 for the tokens a kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
-a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``).
+a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``),
+with or without a recurrent state (a short convolution keeps only its inputs). A hybrid layer
+(``HybridSpec``: a state-space mixer beside attention) keeps both, in a pool of each (``HybridPool``).
 """
 
 from __future__ import annotations
@@ -41,19 +43,28 @@ from petals.kv_cache.specs import (
     CacheSpec,
     ChunkedAttentionSpec,
     FullAttentionSpec,
+    HybridSpec,
     LinearAttentionSpec,
     SlidingWindowSpec,
     UnservedSpec,
     describe_block,
 )
-from petals.kv_cache.states import LinearAttentionState, StateCache, StatePool
+from petals.kv_cache.states import (
+    HybridCache,
+    HybridPool,
+    HybridRowsCache,
+    LinearAttentionState,
+    StateCache,
+    StatePool,
+)
 
 # the manager of each kind (exact spec type): adding a kind is a spec, a manager and a row here
-MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState]] = {
+MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState] | type[HybridCache]] = {
     FullAttentionSpec: AttentionCache,
     SlidingWindowSpec: SlidingWindowCache,
     ChunkedAttentionSpec: SlidingWindowCache,
     LinearAttentionSpec: LinearAttentionState,
+    HybridSpec: HybridCache,
 }
 
 
@@ -87,6 +98,12 @@ def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache
     return manager
 
 
+def pool_parts(pool: PagePool | StatePool | HybridPool) -> tuple[PagePool | StatePool, ...]:
+    """The pools ``pool`` is made of: itself, or a hybrid block's pages and states (each with its own
+    unit, free count and ``on_free``), which the server's budget checks one by one."""
+    return getattr(pool, "parts", (pool,))
+
+
 def open_cache(
     spec: CacheSpec,
     batch_size: int,
@@ -94,7 +111,7 @@ def open_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    pool: PagePool | StatePool | None = None,
+    pool: PagePool | StatePool | HybridPool | None = None,
     layer_index: int = 0,
 ) -> SessionCache:
     """One session's cache of a block of kind ``spec``: on ``pool``, or standalone (all of ``max_length``
@@ -116,6 +133,10 @@ __all__ = [
     "CacheSpec",
     "ChunkedAttentionSpec",
     "FullAttentionSpec",
+    "HybridCache",
+    "HybridPool",
+    "HybridRowsCache",
+    "HybridSpec",
     "LinearAttentionSpec",
     "LinearAttentionState",
     "OutOfPagesError",
@@ -134,4 +155,5 @@ __all__ = [
     "describe_block",
     "manager_for",
     "open_cache",
+    "pool_parts",
 ]

@@ -140,27 +140,39 @@ class ChunkedAttentionSpec(SlidingWindowSpec):
 
 @dataclass(frozen=True)
 class LinearAttentionSpec(CacheSpec):
-    """A fixed-size state per sequence, whatever its length (gated delta net, Mamba-like layers): the
-    last ``conv_kernel`` inputs of a ``conv_dim``-channel causal convolution, kept in the server's dtype,
-    and a recurrent state of ``recurrent_shape``, kept in ``recurrent_dtype`` (the layers compute it in
-    float32); plus ``snapshots`` copies of both, taken before each of the last steps, for rollback."""
+    """A fixed-size state per sequence, whatever its length (gated delta net, Mamba-like layers, short
+    convolutions): the last ``conv_kernel`` inputs of a ``conv_dim``-channel causal convolution, kept in
+    the server's dtype, and a recurrent state of ``recurrent_shape``, kept in ``recurrent_dtype`` (the
+    layers compute it in float32; None: the server's dtype), or no recurrent state at all
+    (``recurrent_shape=None``: a layer that caches its convolution's inputs only); plus ``snapshots``
+    copies of both, taken before each of the last steps, for rollback."""
 
     conv_dim: int
     conv_kernel: int
-    recurrent_shape: tuple[int, ...]
-    recurrent_dtype: torch.dtype = torch.float32
+    recurrent_shape: tuple[int, ...] | None
+    recurrent_dtype: torch.dtype | None = torch.float32
     snapshots: int = REWIND_STEPS
     kind: ClassVar[str] = "linear_attention"
 
     def __post_init__(self) -> None:
-        if min(self.conv_dim, self.conv_kernel, *self.recurrent_shape) <= 0 or self.snapshots < 0:
+        if min(self.conv_dim, self.conv_kernel, *(self.recurrent_shape or ())) <= 0 or self.snapshots < 0:
             raise ValueError(f"invalid cache spec {self}")
+        if self.recurrent_shape is not None and not self.recurrent_shape:
+            raise ValueError(
+                f"invalid cache spec {self}: a recurrent state needs a shape (None: no such state)"
+            )
+
+    def state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The recurrent state's dtype on a server computing in ``dtype``."""
+        return self.recurrent_dtype or dtype
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one state (conv and recurrent) of one sequence."""
-        recurrent = self.recurrent_dtype.itemsize
-        for size in self.recurrent_shape:
-            recurrent *= size
+        recurrent = 0
+        if self.recurrent_shape is not None:
+            recurrent = self.state_dtype(dtype).itemsize
+            for size in self.recurrent_shape:
+                recurrent *= size
         return self.conv_dim * self.conv_kernel * dtype.itemsize + recurrent
 
     def bytes_per_sequence(self, dtype: torch.dtype) -> int:
@@ -175,6 +187,41 @@ class LinearAttentionSpec(CacheSpec):
 
     def tokens_held(self, length: int) -> int:
         return 0
+
+    def describe(self) -> str:
+        return "short convolution" if self.recurrent_shape is None else super().describe()
+
+
+@dataclass(frozen=True)
+class HybridSpec(CacheSpec):
+    """A layer that caches both (a state-space mixer beside attention in one layer, as transformers'
+    ``hybrid`` layers): keys and values of ``attention`` per token, in pages, and a fixed-size ``state``
+    per sequence, in a sequence slot. Each part is sized, held, rewound and budgeted as its own kind."""
+
+    attention: FullAttentionSpec
+    state: LinearAttentionSpec
+    kind: ClassVar[str] = "hybrid"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, FullAttentionSpec) or not isinstance(
+            self.state, LinearAttentionSpec
+        ):
+            raise ValueError(f"invalid cache spec {self}: an attention spec and a linear-attention state")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.attention.bytes_per_token(dtype)
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return self.state.bytes_per_sequence(dtype)
+
+    def budget_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        return self.attention.budget_bytes(tokens, dtype) + self.state.budget_bytes(tokens, dtype)
+
+    def tokens_held(self, length: int) -> int:
+        return self.attention.tokens_held(length)
+
+    def describe(self) -> str:
+        return f"{self.attention.describe()} and {self.state.describe()}"
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,17 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from petals.kv_cache.attention import RowsCache, check_hypo_ids
-from petals.kv_cache.pages import CacheOverflowError, OutOfPagesError
-from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, LinearAttentionSpec
+from petals.kv_cache.attention import (
+    AttentionCache,
+    PagedLayer,
+    RowsCache,
+    SlidingWindowCache,
+    check_hypo_ids,
+)
+from petals.kv_cache.pages import CacheOverflowError, OutOfPagesError, PagePool
+from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, HybridSpec, LinearAttentionSpec, SlidingWindowSpec
 
 
 class StatePool:
@@ -64,8 +70,12 @@ class StatePool:
         self.conv = torch.zeros(
             (num_pages, copies, spec.conv_dim, spec.conv_kernel), dtype=dtype, device=device
         )
-        self.recurrent = torch.zeros(
-            (num_pages, copies, *spec.recurrent_shape), dtype=spec.recurrent_dtype, device=device
+        self.recurrent = (  # None: a layer that keeps its convolution's inputs only
+            None
+            if spec.recurrent_shape is None
+            else torch.zeros(
+                (num_pages, copies, *spec.recurrent_shape), dtype=spec.state_dtype(dtype), device=device
+            )
         )
         self.lock = threading.RLock()
         self._free = list(range(num_pages - 1, -1, -1))
@@ -86,7 +96,7 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+        return self.conv.nbytes + (0 if self.recurrent is None else self.recurrent.nbytes)
 
     @property
     def unit(self) -> str:
@@ -237,7 +247,8 @@ class LinearAttentionState:
         check_hypo_ids(hypo_ids, self.num_sequences)
         sources = self._index[hypo_ids.to(self._index.device)]
         self.pool.conv[self._index] = self.pool.conv[sources]
-        self.pool.recurrent[self._index] = self.pool.recurrent[sources]
+        if self.pool.recurrent is not None:
+            self.pool.recurrent[self._index] = self.pool.recurrent[sources]
 
     def release(self) -> None:
         """Give the slots back to the pool (the session has ended)."""
@@ -252,19 +263,23 @@ class LinearAttentionState:
         as plain copies (an indexed copy of all slots at once takes 10x longer for one sequence)."""
         for slot in self.slots:
             self.pool.conv[slot, target].copy_(self.pool.conv[slot, source])
-            self.pool.recurrent[slot, target].copy_(self.pool.recurrent[slot, source])
+            if self.pool.recurrent is not None:
+                self.pool.recurrent[slot, target].copy_(self.pool.recurrent[slot, source])
 
     def _zero(self, copies: slice) -> None:
         self.pool.conv[self._index, copies] = 0
-        self.pool.recurrent[self._index, copies] = 0
+        if self.pool.recurrent is not None:
+            self.pool.recurrent[self._index, copies] = 0
 
 
 class StateLayer(LinearAttentionCacheLayerMixin):
     """The linear-attention cache layer of one block over the rows of one or more sessions' states.
 
-    Rows are gathered from the slots once per forward; the layer's new recurrent state and conv state
-    are written back into them by ``update_recurrent_state``, after the layer's convolution (which may
-    update the gathered conv state in place, as the fused decode kernel does) and its recurrence.
+    Rows are gathered from the slots once per forward (snapshotting them first). The step's new state
+    goes back into the slots when the layer stores its recurrent state (``update_recurrent_state``, the
+    last thing a gated delta net does), or, for a layer that stores none (a short convolution, a Mamba
+    decode step updating the gathered states in place), when the block's forward returns
+    (``finish``, which ``ServerBlockMixin`` calls with the step's token count).
     """
 
     def __init__(self, members: Sequence[LinearAttentionState]) -> None:
@@ -280,16 +295,22 @@ class StateLayer(LinearAttentionCacheLayerMixin):
         self.conv_kernel_size[0] = self.pool.spec.conv_kernel
         self._new_tokens = 1  # a step that calls no update_conv_state is a fused single-token decode
         self._gathered = False
+        self._stored = False
+        self._stepped = False
 
     def _gather(self) -> None:
         """Read every row's live state (a session at position 0 reads zeros), snapshotting it first."""
         if self._gathered:
             return
+        if self._stored:
+            raise RuntimeError("a layer read its state after storing this step's: one forward is one step")
         for member in self.members:
             member.snapshot()
         self.conv_states[0] = self.pool.conv[self.index, 0]
-        self.recurrent_states[0] = self.pool.recurrent[self.index, 0]
-        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.is_conv_states_initialized[0] = True
+        if self.pool.recurrent is not None:
+            self.recurrent_states[0] = self.pool.recurrent[self.index, 0]
+            self.is_recurrent_states_initialized[0] = True
         self._gathered = True
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
@@ -311,21 +332,50 @@ class StateLayer(LinearAttentionCacheLayerMixin):
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs
     ) -> torch.Tensor:
-        """Store the step's states into each row's slot; the step is done."""
+        """Keep the step's recurrent state and store the step's states into each row's slot."""
         self._gather()
+        if self.pool.recurrent is None:
+            raise ValueError(
+                "the layer stored a recurrent state; its cache spec says it keeps none: fix the family's cache_spec"
+            )
         _check_shape("recurrent states", recurrent_states.shape[1:], self.pool.spec.recurrent_shape)
-        self.pool.conv[self.index, 0] = self.conv_states[0].to(self.pool.conv.dtype)
-        self.pool.recurrent[self.index, 0] = recurrent_states.to(self.pool.recurrent.dtype)
-        for member in self.members:
-            member.stepped(self._new_tokens)
+        self.recurrent_states[0] = recurrent_states
+        self._store()
+        self._step(self._new_tokens)
         return recurrent_states
+
+    def finish(self, new_tokens: int) -> None:
+        """The block's forward of ``new_tokens`` tokens returned: store what the layer left in the
+        gathered states (once), and move every row ``new_tokens`` further on."""
+        if not self._stored:
+            self._gather()
+            self._store()
+        self._step(new_tokens)
+
+    def _step(self, new_tokens: int) -> None:
+        if not self._stepped:
+            for member in self.members:
+                member.stepped(new_tokens)
+            self._stepped = True
+
+    def _store(self) -> None:
+        if self._stored:
+            return
+        self.pool.conv[self.index, 0] = self.conv_states[0].to(self.pool.conv.dtype)
+        if self.pool.recurrent is not None:
+            self.pool.recurrent[self.index, 0] = self.recurrent_states[0].to(self.pool.recurrent.dtype)
+        self._stored = True
 
 
 class StateCache(RowsCache):
     """Several sessions' linear-attention states of one block, for one batched forward (their rows, in order)."""
 
-    def __init__(self, members: Sequence[LinearAttentionState]) -> None:
-        super().__init__(members, StateLayer(members))
+    def __init__(self, members: Sequence[LinearAttentionState], layer: StateLayer | None = None) -> None:
+        super().__init__(members, layer if layer is not None else StateLayer(members))
+
+    def finish_step(self, new_tokens: int) -> None:
+        """The block's forward returned (``ServerBlockMixin`` calls this): store the step's states."""
+        self.layer.finish(new_tokens)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self._check_index(layer_idx)
@@ -344,6 +394,160 @@ class StateCache(RowsCache):
     def _check_index(self, layer_idx: int) -> None:
         if layer_idx != self.layer_index:
             raise ValueError(f"layer {layer_idx} read the state of block {self.layer_index}")
+
+
+class HybridPool:
+    """One hybrid block's memory: a ``PagePool`` of keys and values and a ``StatePool`` of sequence
+    states (``parts``), each sized from the server's per-block budget as its kind is alone; the
+    server's budget admits a session when each part has what it needs."""
+
+    def __init__(self, spec: HybridSpec, attention: PagePool, state: StatePool) -> None:
+        self.spec, self.attention, self.state = spec, attention, state
+        self.parts = (attention, state)
+
+    @property
+    def nbytes(self) -> int:
+        return self.attention.nbytes + self.state.nbytes
+
+    @property
+    def free_tokens(self) -> int:
+        return min(self.attention.free_tokens, self.state.free_tokens)
+
+
+class HybridCache:
+    """One session's cache of a hybrid block: its keys and values (``attention``, an ``AttentionCache``
+    or a ``SlidingWindowCache``) and its state (``state``, a ``LinearAttentionState``), grown, rewound,
+    reordered and released together. A rewind goes only where the state can go (the start of one of
+    its last steps, or 0)."""
+
+    def __init__(
+        self,
+        spec: HybridSpec,
+        batch_size: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        pool: HybridPool | None = None,
+        layer_index: int = 0,
+    ) -> None:
+        attention = SlidingWindowCache if isinstance(spec.attention, SlidingWindowSpec) else AttentionCache
+        if pool is None:
+            self.attention = attention(
+                spec.attention, batch_size, max_length, dtype, device, layer_index=layer_index
+            )
+            self.state = LinearAttentionState(
+                spec.state, batch_size, max_length, dtype, device, layer_index=layer_index
+            )
+        else:
+            self.attention = attention.paged(pool.attention, batch_size, max_length, layer_index)
+            try:
+                self.state = LinearAttentionState.paged(pool.state, batch_size, max_length, layer_index)
+            except BaseException:
+                self.attention.release()
+                raise
+        self.spec, self.layer_index = spec, layer_index
+        self.num_sequences, self.max_length = batch_size, max_length
+        self.parts = (self.attention, self.state)
+
+    @classmethod
+    def make_pool(
+        cls, spec: HybridSpec, tokens: int, page_tokens: int, dtype: torch.dtype, device: torch.device | str
+    ) -> HybridPool:
+        """A block's pools for a budget of ``tokens`` tokens: pages of keys and values, and sequence states."""
+        attention = AttentionCache.make_pool(spec.attention, tokens, page_tokens, dtype, device)
+        state = LinearAttentionState.make_pool(spec.state, tokens, page_tokens, dtype, device)
+        return HybridPool(spec, attention, state)
+
+    @classmethod
+    def paged(cls, pool: HybridPool, batch_size: int, max_length: int, layer_index: int = 0) -> HybridCache:
+        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
+
+    @staticmethod
+    def merged(caches: Sequence[HybridCache]) -> HybridRowsCache:
+        return HybridRowsCache(caches)
+
+    def view(self) -> HybridRowsCache:
+        return HybridRowsCache([self])
+
+    @property
+    def length(self) -> int:
+        return self.attention.length
+
+    @property
+    def position(self) -> int:
+        return self.attention.position
+
+    @property
+    def nbytes(self) -> int:
+        return self.attention.nbytes + self.state.nbytes
+
+    def reserve(self, new_tokens: int) -> None:
+        self.state.reserve(new_tokens)
+        self.attention.reserve(new_tokens)
+
+    def rewind(self, position: int) -> None:
+        self.state.rewind(position)  # first: it refuses what it cannot restore, before keys are dropped
+        self.attention.rewind(position)
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        self.state.reorder(hypo_ids)
+        self.attention.reorder(hypo_ids)
+
+    def release(self) -> None:
+        self.state.release()
+        self.attention.release()
+
+
+class HybridLayer(StateLayer, CacheLayerMixin):
+    """The cache layer of a hybrid block: the rows' states (as ``StateLayer``) and their keys and values
+    (a ``PagedLayer``, which ``update`` and the mask sizes go to)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, members: Sequence[HybridCache]) -> None:
+        StateLayer.__init__(self, [member.state for member in members])
+        self.attention = PagedLayer([member.attention for member in members])
+        self.is_sliding = self.attention.is_sliding
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.attention.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.attention.values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.attention.update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self.attention.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.attention.get_max_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.attention.get_mask_sizes(query_length)
+
+
+class HybridRowsCache(StateCache):
+    """Several sessions' hybrid caches of one block, for one batched forward (their rows, in order)."""
+
+    def __init__(self, members: Sequence[HybridCache]) -> None:
+        super().__init__(members, HybridLayer(members))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layer.get_mask_sizes(query_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int = 0, *args, **kwargs
+    ):
+        if layer_idx != self.layer_index:
+            raise ValueError(f"layer {layer_idx} wrote into the cache of block {self.layer_index}")
+        return self.layer.update(key_states, value_states, *args, **kwargs)
 
 
 def _check_shape(name: str, got: Sequence[int], expected: Sequence[int]) -> None:

@@ -11,7 +11,8 @@ finds no free page fails alone with a clear error (``OutOfPagesError``), its nei
 
 A linear-attention block keeps a fixed-size state per sequence instead (``StatePool``): its pool holds
 one sequence per ``TOKENS_PER_SEQUENCE`` tokens of the budget, and a session takes one per sequence
-when it opens, whatever its length; admission asks each pool what a sequence needs of it.
+when it opens, whatever its length; admission asks each pool what a sequence needs of it. A hybrid
+block (attention and a state in one layer) has a pool of each, and admission asks both.
 
 What we announce follows Petals' unit: ``cache_tokens_left`` (and rpc_info's
 ``cache_tokens_available``) count keys and values separately and sum over blocks, i.e.
@@ -25,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from petals.kv_cache import PAGE_TOKENS, PagePool, SessionCache, StatePool
+from petals.kv_cache import PAGE_TOKENS, HybridPool, PagePool, SessionCache, StatePool, pool_parts
 from petals.server.backend import BlockBackend
 
 
@@ -40,12 +41,16 @@ class CacheBudget:
         self, backends: Sequence[BlockBackend], tokens_per_block: int, page_tokens: int = PAGE_TOKENS
     ):
         page_tokens = max(1, min(page_tokens, tokens_per_block))
-        self.pools: dict[str, list[PagePool | StatePool]] = {
+        self.pools: dict[str, list[PagePool | StatePool | HybridPool]] = {
             backend.uid: backend.make_pools(tokens_per_block, page_tokens) for backend in backends
+        }
+        # what admission counts: each pool, or each part of a hybrid block's (its pages and its states)
+        self.parts: dict[str, list[PagePool | StatePool]] = {
+            uid: [part for pool in pools for part in pool_parts(pool)] for uid, pools in self.pools.items()
         }
         self._loop: asyncio.AbstractEventLoop | None = None
         self._freed = asyncio.Event()
-        for pools in self.pools.values():
+        for pools in self.parts.values():
             for pool in pools:
                 pool.on_free.append(self._pages_freed)
 
@@ -59,17 +64,17 @@ class CacheBudget:
     def tokens_left(self) -> int:
         """In Petals' unit (keys and values counted separately, summed over blocks); a block of sequence
         states counts each free sequence as the tokens of the budget it stands for."""
-        return 2 * sum(min(pool.free_tokens for pool in pools) for pools in self.pools.values())
+        return 2 * sum(min(pool.free_tokens for pool in pools) for pools in self.parts.values())
 
     @property
     def nbytes(self) -> int:
         """Bytes the pools take when full."""
-        return sum(pool.nbytes for pools in self.pools.values() for pool in pools)
+        return sum(pool.nbytes for pools in self.parts.values() for pool in pools)
 
     @property
     def bytes_left(self) -> int:
         """Bytes of the pools' free pages."""
-        return sum(pool.free_pages * pool.page_nbytes for pools in self.pools.values() for pool in pools)
+        return sum(pool.free_pages * pool.page_nbytes for pools in self.parts.values() for pool in pools)
 
     @property
     def bytes_used(self) -> int:
@@ -86,7 +91,7 @@ class CacheBudget:
         """Check that a session could ever fit, and wait up to ``timeout`` s for its first step's pages."""
         self._loop = asyncio.get_running_loop()
         for backend in backends:
-            for pool in self.pools[backend.uid]:
+            for pool in self.parts[backend.uid]:
                 # the most it ever holds, or its first step, taken whole before a window drops anything
                 held = max(backend.tokens_held(max_length), first_tokens)
                 pages = max(pool.max_pages(max_length), pool.pages_for(first_tokens))
@@ -116,7 +121,7 @@ class CacheBudget:
     ) -> str | None:
         """What the first step of ``first_tokens`` tokens lacks now (None: nothing)."""
         for backend in backends:
-            for pool in self.pools[backend.uid]:
+            for pool in self.parts[backend.uid]:
                 needed = pool.pages_for(first_tokens) * batch_size
                 if pool.free_pages < needed:
                     return f"{needed} {pool.unit} in block {backend.index}, {pool.free_pages} are free"

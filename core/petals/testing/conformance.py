@@ -42,7 +42,15 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from petals.auto import AutoDistributedConfig
 from petals.block import cache_spec
 from petals.config import DistributedConfigMixin, validate_dht_prefix
-from petals.kv_cache import PAGE_TOKENS, CacheSpec, SlidingWindowSpec, manager_for, open_cache
+from petals.kv_cache import (
+    PAGE_TOKENS,
+    CacheSpec,
+    HybridSpec,
+    SlidingWindowSpec,
+    manager_for,
+    open_cache,
+    pool_parts,
+)
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -129,7 +137,8 @@ def check_family(
     specs = [_kit_spec(cache_spec(distributed, index)) for index in range(config.num_hidden_layers)]
     for index, spec in enumerate(specs):
         manager_for(spec, f"{config.model_type} block {index}")
-    windows = [spec.window for spec in specs if isinstance(spec, SlidingWindowSpec)]
+    attention = [spec.attention if isinstance(spec, HybridSpec) else spec for spec in specs]
+    windows = [spec.window for spec in attention if isinstance(spec, SlidingWindowSpec)]
     if windows:
         schedule = schedule.past(max(windows))
 
@@ -141,6 +150,8 @@ def check_family(
 
 
 def _kit_spec(spec: CacheSpec) -> CacheSpec:
+    if isinstance(spec, HybridSpec):
+        return dataclasses.replace(spec, attention=_kit_spec(spec.attention))
     if isinstance(spec, SlidingWindowSpec):
         return dataclasses.replace(spec, rewind_margin=KIT_REWIND_MARGIN)
     return spec
@@ -270,6 +281,9 @@ def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) 
     tokens than it keeps (a pool's page is a page of tokens, or one sequence's state)."""
     dtype = torch.float32
     for index, (spec, cache) in enumerate(zip(specs, caches, strict=True)):
+        if isinstance(spec, HybridSpec):  # its keys and values, and its state, each held as its kind's
+            _check_held(config, [spec.attention, spec.state], list(cache.parts))
+            continue
         pool, name = cache.pool, f"{config.model_type} block {index} ({spec.describe()})"
         page = pool.page_tokens * spec.bytes_per_token(dtype) + spec.bytes_per_sequence(dtype)
         assert pool.page_nbytes == page and pool.nbytes == pool.num_pages * page, (
@@ -362,7 +376,8 @@ def _check_merged_sessions(
         for session_caches in caches:
             for cache in session_caches:
                 cache.release()
-        assert all(pool.free_pages == pool.num_pages for pool in pools), "released caches kept pages"
+        parts = [part for pool in pools for part in pool_parts(pool)]
+        assert all(pool.free_pages == pool.num_pages for pool in parts), "released caches kept pages"
 
 
 def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
