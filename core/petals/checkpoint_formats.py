@@ -216,8 +216,8 @@ def dequantize_awq(
     with ``g = i // group_size``, no offset on the zeros.
 
     Written by hand from the format's specification: transformers dequantizes AWQ only through
-    autoawq/gptqmodel's kernels, which petals does not depend on. Other versions (GEMV, exllama,
-    marlin) pack differently and are refused, as is ``zero_point: false``.
+    autoawq/gptqmodel's kernels, which petals does not depend on. Other versions (GEMV, marlin and the other
+    kernel-specific layouts) pack differently and are refused, as is ``zero_point: false``.
     """
     bits = _int_bits(quantization_config, "awq", (4,))
     version = str(quantization_config.get("version", "gemm")).lower()
