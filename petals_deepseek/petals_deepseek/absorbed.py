@@ -165,10 +165,13 @@ class LatentAbsorption:
             q_latent.view(heads, batch, length, rank).transpose(0, 1).reshape(batch, heads * length, rank)
         )
         latent, k_rot = latent[:, 0], k_rot[:, 0]  # one "head", read by all: [batch, context, width]
-        # scores [batch, heads * length, context]: rope part, plus the latent part, both scaled
-        scores = torch.bmm(q_rot.reshape(batch, heads * length, -1), k_rot.transpose(1, 2))
+        # scores [batch, heads * length, context]: rope part, plus the latent part, both scaled; in float32
+        # for half dtypes, as sdpa keeps them (rounded to bfloat16, scores summed over 512 latent values put
+        # outputs 1.8x as far from float32's as the expanded form's are; 1.2x kept in float32)
+        wide = torch.float32 if latent.dtype in (torch.float16, torch.bfloat16) else latent.dtype
+        scores = torch.bmm(q_rot.reshape(batch, heads * length, -1).to(wide), k_rot.transpose(1, 2).to(wide))
         scores = torch.baddbmm(
-            scores, q_latent, latent.transpose(1, 2), beta=self.scaling, alpha=self.scaling
+            scores, q_latent.to(wide), latent.transpose(1, 2).to(wide), beta=self.scaling, alpha=self.scaling
         )
         scores = scores.view(batch, heads, length, context)
         if attention_mask is not None:
@@ -182,9 +185,8 @@ class LatentAbsorption:
             causal = positions[None, :] <= positions[context - length :, None]
             scores = scores.masked_fill(~causal, float("-inf"))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
-        out_latent = torch.bmm(
-            weights.view(batch, heads * length, context), latent
-        )  # [batch, heads*length, rank]
+        # the heads' weighted latents [batch, heads * length, rank], then each head's way out through W_UV
+        out_latent = torch.bmm(weights.view(batch, heads * length, context), latent)
         out_latent = (
             out_latent.view(batch, heads, length, rank).transpose(0, 1).reshape(heads, batch * length, rank)
         )

@@ -89,6 +89,30 @@ def test_absorbed_equals_expanded_under_each_mask(implementation):
         torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=1e-5)  # a decode step, no mask
 
 
+def test_bfloat16_scores_are_kept_in_float32():
+    """In bfloat16 the absorbed form is about as close to float32's result as transformers' expanded one
+    (1.2x as far over these seeds; with its scores rounded to bfloat16, 1.8x)."""
+    config = copy.deepcopy(REAL_WIDTHS)
+    config.num_attention_heads = config.num_key_value_heads = 8
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attention = AbsorbedDeepseekV3Attention(config, 0).eval()
+    errors, reference_errors = [], []
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        shapes = [(2, 8, 1, 128), (2, 8, 1, 64), (2, 1, 300, 512), (2, 1, 300, 64)]
+        inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+        half = [tensor.to(torch.bfloat16) for tensor in inputs]
+        with torch.no_grad():
+            exact = attention.float()._expanded_attention(*inputs, None)
+            attention.to(torch.bfloat16)
+            absorbed = attention._absorbed_attention(*half, None, *attention.absorbed_weights())
+            expanded = attention._expanded_attention(*half, None)
+        errors.append((absorbed.float() - exact).abs().max().item())
+        reference_errors.append((expanded.float() - exact).abs().max().item())
+    assert sum(errors) <= 1.5 * sum(reference_errors), (errors, reference_errors)
+
+
 def test_per_head_weights_are_views_made_again_when_the_weights_move():
     block = served_block(CONFIGS["deepseek_v3"])
     run_steps(block)
