@@ -17,11 +17,12 @@ token), and every head reads the same cached latent. Per step of ``L`` query tok
 ones and per head, that costs ``L (qk_nope + v) r + T L (2 r + rope)`` against the expansion's
 ``T (qk_nope + v) r + T L (qk_nope + rope + v)`` (``r`` = ``kv_lora_rank``): absorption wins while
 ``L`` is small against ``T`` (decoding, short steps), expansion for a prefill (``L`` = ``T``).
-``absorption_pays`` picks by that count. Measured on that layer (2 shared cores at load 5-6, so
-noisy): one decode token at 512 / 2,048 / 8,192 tokens of context took 19 / 31 / 21 ms served
-absorbed, 141 / 449 / 718 ms in transformers' form and 36 / 52 / 88 ms with an expanded cache; a step
-of L tokens over 2,048 cached ones took 0.09x (L = 1), 0.21x (16), 0.60x (64), 0.73x (128), 1.00x
-(192), 1.22x (256) and 1.20x (512) the expanded path's time, where the count breaks even at L = 171.
+``absorption_pays`` picks by that count. Measured on that layer (2 shared cores at load 3-6, so
+noisy): one decode token at 512 / 2,048 / 8,192 tokens of context took 8 / 12 / 14 ms served
+absorbed, 38 / 163 / 565 ms in transformers' form and 15 / 18 / 77 ms with an expanded cache; a step
+of L tokens over 2,048 cached ones took 0.08-0.09x (L = 1), 0.4-0.6x (64), 0.7-0.9x (128), 0.8-1.0x
+(192), 1.2-1.5x (256) and 1.0-1.2x (512) the expanded path's time in two sweeps: the break-even lies
+near L = 200, and the count's is L = 171.
 
 The absorbed form is used only where it is exact against transformers' and cheap to set up:
 ``kv_b_proj`` a plain ``nn.Linear`` with a plain floating-point weight, in eval mode. A quantized
