@@ -1,4 +1,4 @@
-"""(l) DeepSeek V3's latent cache: bytes per token per layer, and the decode time of the latent and expanded forms.
+"""(l) DeepSeek V3's latent cache: bytes per token per layer, and decode time served (absorbed), transformers, expanded.
 
     python -m benchmarks.deepseek_latent [--quick]
 
@@ -17,8 +17,11 @@ the same context), each at 1 torch thread and at all of them and credited with t
 busy machine torch's threads stall when another process takes a core):
 
 * ours: the plugin's served block (``DeepseekV3Block``) with a session's cache on the block's
-  ``PagePool``, as a server runs it: the latent is cached, keys and values are expanded from all of
-  it every step (transformers' attention does that after ``cache.update``);
+  ``PagePool``, as a server runs it: the latent is cached, and the attention is absorbed
+  (``petals_deepseek.absorbed``): a decode step's queries are multiplied into the latent space by
+  ``kv_b_proj``'s key part, scored against the cached latent and rope key, and the weighted latent
+  leaves through ``kv_b_proj``'s value part; a prefill chunk of 512 tokens expands instead, as
+  transformers does (``absorption_pays`` picks). Which path its steps took is counted and printed;
 * transformers: the model's own ``DeepseekV3DecoderLayer`` with ``DynamicCache`` (transformers 5.24
   caches the same latent), the baseline of the ratios;
 * expanded: the same weights computing attention over per-head keys and values cached after the
@@ -26,14 +29,18 @@ busy machine torch's threads stall when another process takes a core):
   prefill chunk and decode step before anything is timed.
 
 The layer's MLP is dense and narrow (intermediate 1024) and the same in all three forms; what grows
-with the context is attention, where the latent form pays for the expansion of every cached token
-at each step (``kv_lora_rank x heads x (192 + 128)`` multiply-adds per token) and the expanded form
-reads ``heads x 320`` values per token instead.
+with the context is attention, where transformers' form pays for the expansion of every cached token
+at each step (``kv_lora_rank x heads x (192 + 128)`` multiply-adds per token), the expanded form
+reads ``heads x 320`` values per token instead, and ours ``kv_lora_rank + 64`` values per token, with
+``heads x (2 x kv_lora_rank + 64)`` multiply-adds per token and a fixed ``heads x kv_lora_rank x 256``
+per step (the queries' way into the latent and the output's way out): at short contexts
+(``--quick``) that fixed part can make ours slower than the expanded cache.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +231,18 @@ class Forms:
         self.dynamic = DynamicCache(config=config)
 
         self.expanded = ExpandedCacheLayer(self.layer, self.rotary, max_length).eval()
+        self.paths = Counter()  # {(path, query tokens): steps} of the served block's attention
+        attention = self.block.self_attn
+        for path in ("absorbed", "expanded"):
+            method = getattr(attention, f"_{path}_attention")
+            setattr(attention, f"_{path}_attention", self._counted(path, method))
+
+    def _counted(self, path: str, method):
+        def counted(q_nope, *args, **kwargs):
+            self.paths[path, q_nope.shape[2]] += 1
+            return method(q_nope, *args, **kwargs)
+
+        return counted
 
     @property
     def length(self) -> int:
@@ -299,14 +318,20 @@ def measure(config: PretrainedConfig, lengths: tuple[int, ...], repeats: int) ->
     worst = 0.0
     with torch.no_grad():
         for length in lengths:
+            forms.paths.clear()
             while forms.length < length:
                 worst = max(
                     worst, largest_difference(forms.step(hidden(min(PREFILL_CHUNK, length - forms.length))))
                 )
             held = forms.held_bytes()
+            prefill_paths = {
+                f"{path}, {tokens} tokens": steps for (path, tokens), steps in forms.paths.items()
+            }
+            forms.paths.clear()
             token = hidden(1)
             worst = max(worst, largest_difference(forms.step(token)))  # a decode step, then rewound
             forms.rewind(length)
+            (decode_path,) = {path for path, _ in forms.paths}
             if worst > ATOL:
                 raise AssertionError(f"the three forms differ by {worst:.3g} > {ATOL} at {length} tokens")
 
@@ -337,6 +362,8 @@ def measure(config: PretrainedConfig, lengths: tuple[int, ...], repeats: int) ->
                 },
                 "bytes": held,
                 "max_abs_diff": worst,
+                # the attention paths ours took (per layer call) to this context, and for the decode step
+                "ours_paths": {"prefill": prefill_paths, "decode": decode_path},
             }
     forms.cache.release()
     return measured
@@ -349,7 +376,7 @@ def timing_table(config: PretrainedConfig, measured: dict[int, dict]) -> list[st
         f"{config.hidden_size}, fp32, the faster of {' and '.join(map(str, threads))} threads: ms per token "
         "(best), cache MiB",
         f"  {'context':>7}  {'ours':>8}  {'HF':>8}  {'expanded':>8}  {'ours/HF':>7}  {'exp/HF':>7}  "
-        f"{'exp/ours':>8}  {'ours MiB':>8}  {'HF MiB':>7}  {'exp MiB':>8}",
+        f"{'ours/exp':>8}  {'ours MiB':>8}  {'HF MiB':>7}  {'exp MiB':>8}",
     ]
     for length, row in measured.items():
         best = {form: values["best"] for form, values in row["seconds"].items()}
@@ -357,11 +384,15 @@ def timing_table(config: PretrainedConfig, measured: dict[int, dict]) -> list[st
         lines.append(
             f"  {length:>7,}  {best['ours'] * 1e3:>8.2f}  {best['transformers'] * 1e3:>8.2f}  "
             f"{best['expanded'] * 1e3:>8.2f}  {best['ours'] / best['transformers']:>7.2f}  "
-            f"{best['expanded'] / best['transformers']:>7.2f}  {best['expanded'] / best['ours']:>8.2f}  "
+            f"{best['expanded'] / best['transformers']:>7.2f}  {best['ours'] / best['expanded']:>8.2f}  "
             f"{mib['ours']:>8.2f}  {mib['transformers']:>7.2f}  {mib['expanded']:>8.2f}"
         )
     worst = max(row["max_abs_diff"] for row in measured.values())
     lines.append(f"  the three forms' outputs, every prefill chunk and decode step: max |diff| {worst:.2g}")
+    for length, row in measured.items():
+        paths = row["ours_paths"]
+        prefill = "; ".join(f"{name}: {steps}" for name, steps in sorted(paths["prefill"].items()))
+        lines.append(f"  ours' attention to {length:,} tokens: prefill {prefill}; decode {paths['decode']}")
     return lines
 
 
@@ -378,10 +409,12 @@ def deepseek_latent(ctx: Context) -> Result:
     byte_ratio = expanded.bytes_per_token(torch.float32) / latent.bytes_per_token(torch.float32)
     checks = [
         Check("DeepSeek V3 cache per token per layer: expanded / latent", byte_ratio, 71.0, ">="),
-        Check(f"decode at {lengths[-1]:,} tokens: ours (latent) / transformers", ours_vs_hf, OURS_GOAL, "<="),
         Check(
-            f"decode at {lengths[-1]:,} tokens: expanded cache / ours (reported)",
-            best["expanded"] / best["ours"],
+            f"decode at {lengths[-1]:,} tokens: ours (absorbed) / transformers", ours_vs_hf, OURS_GOAL, "<="
+        ),
+        Check(
+            f"decode at {lengths[-1]:,} tokens: ours / expanded cache (reported)",
+            best["ours"] / best["expanded"],
             0.0,
             ">=",
         ),
@@ -395,7 +428,7 @@ def deepseek_latent(ctx: Context) -> Result:
     ]
     return Result(
         item="l",
-        title="DeepSeek V3 latent cache: bytes per token per layer, and decode time latent vs expanded (fp32)",
+        title="DeepSeek V3 latent cache: bytes per token per layer, decode time absorbed vs HF vs expanded (fp32)",
         ratio=ours_vs_hf,
         baseline=f"transformers' DeepseekV3DecoderLayer with DynamicCache, one token at {lengths[-1]:,} tokens",
         checks=checks,

@@ -93,9 +93,12 @@ def test_deepseek_latent_prints_bytes_per_token_and_times_three_equal_forms(tmp_
     assert re.search(r"^    expanded / latent: 71\.11x", result.stdout, re.M), result.stdout
     decode = record["measurements"]["decode"]
     assert sorted(map(int, decode)) == [32, 96]
-    for length, row in decode.items():
+    for previous, (length, row) in zip((0, 32), decode.items(), strict=True):
         assert row["max_abs_diff"] <= 1e-4
         assert set(row["seconds"]) == {"ours", "transformers", "expanded"}
+        # the served block decodes absorbed, and prefills (32 tokens, then 64 more) expanded
+        assert row["ours_paths"]["decode"] == "absorbed"
+        assert list(row["ours_paths"]["prefill"]) == [f"expanded, {int(length) - previous} tokens"]
         # the served block's pages hold what transformers' latent holds; the expanded form 2 x (192 + 128)
         # values a token (the quick layer's 2 heads)
         assert row["bytes"]["ours"] == row["bytes"]["transformers"] == int(length) * 576 * 4
