@@ -299,7 +299,7 @@ class DistributedModelMixin:
         }
         found = {name: key for name, key in found.items() if key is not None}
         keys = with_companions(self.config, sorted(set(found.values())), checkpoint.weight_map)
-        tensors = dequantize_tensors(self.config, checkpoint.read(keys), dtype)
+        tensors = dequantize_tensors(self.config, checkpoint.read(keys, dtype), dtype)
         self._assign_local_tensors({name: _cast(tensors[key], dtype) for name, key in found.items()}, dtype)
 
     def _assign_local_tensors(
