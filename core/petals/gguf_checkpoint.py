@@ -122,7 +122,8 @@ class GGUFCheckpoint(Checkpoint):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
-        to_hf = get_gguf_hf_weights_map(model, processor)
+        with shared_readers():  # also builds gguf's name map once, not once per module
+            to_hf = get_gguf_hf_weights_map(model, processor)
         stored = {tensor.name for tensor in file.tensors}
         weight_map = {hf_name: name for name, hf_name in to_hf.items() if name in stored}
         if not weight_map:
