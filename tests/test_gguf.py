@@ -166,6 +166,7 @@ def test_a_server_of_blocks_reads_only_their_tensors_in_the_serving_dtype(tiny_g
     assert {t.dtype for block in blocks for t in block.state_dict().values()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(tiny_gguf):
     ids = torch.randint(3, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)

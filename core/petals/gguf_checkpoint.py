@@ -157,3 +157,21 @@ class GGUFCheckpoint(Checkpoint):
             for name, tensor in parsed["tensors"].items():
                 tensors[name] = tensor.to(dtype) if dtype is not None else tensor
         return tensors
+
+
+def local_model(model_name_or_path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
+    """Plain transformers' causal LM of a checkpoint, in eval mode: a GGUF file (or a folder holding one)
+    loaded whole and dequantized, as transformers does (the local reference beside a swarm); anything
+    else through ``from_pretrained`` as it is."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    gguf = gguf_file(model_name_or_path)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(model_name_or_path, **kwargs).eval()
+    with shared_readers():
+        return AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent),
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            **kwargs,
+        ).eval()
