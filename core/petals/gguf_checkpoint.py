@@ -119,7 +119,9 @@ class GGUFCheckpoint(Checkpoint):
         architecture = read_field(file, "general.architecture")[0]
         config_dict = gguf_config_dict(path)
         config = AutoConfig.for_model(**config_dict)
-        with torch.device("meta"):
+        from petals.meta_device import NoReferenceOpsOnMeta
+
+        with torch.device("meta"), NoReferenceOpsOnMeta():  # only its tensors' names are wanted
             model = AutoModelForCausalLM.from_config(config)
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
         with shared_readers():  # also builds gguf's name map once, not once per module
