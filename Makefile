@@ -10,7 +10,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral petals_deepse
 	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax petals_lfm
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
-EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate
+EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate,gemma3-demo
 # the lower ends of the ranges (constraints-oldest.txt), in a virtual environment of their own
 OLDEST_VENV ?= .venv-oldest
 OLDEST_INSTALLED := $(OLDEST_VENV)/.installed
@@ -22,7 +22,7 @@ OLDEST_TESTS := tests/test_conformance.py tests/test_plugins.py plugins petals_d
 	tests/test_cli_errors.py \
 	tests/test_patches.py::test_every_patch_declares_what_it_replaces_where_it_was_checked_and_fits_the_installed_code
 
-.PHONY: install test-tools test test-oldest coverage lint demo tune-demo bench reliability gpu-check image-test clean
+.PHONY: install test-tools test test-oldest coverage lint demo gemma3-demo tune-demo bench reliability gpu-check image-test clean
 
 $(INSTALLED): core/pyproject.toml $(FAMILIES:%=%/pyproject.toml) $(EXAMPLE_PLUGINS:%=%/pyproject.toml) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ $(OLDEST_INSTALLED): constraints-oldest.txt core/pyproject.toml $(FAMILIES:%=%/p
 
 demo: $(INSTALLED)
 	$(BIN)/petals demo
+
+# a second real model: Gemma 3 270M, a prompt past its sliding window, each server's cache printed
+gemma3-demo: $(INSTALLED)
+	$(BIN)/petals demo --model gemma3
 
 # deep prompt tuning through the demo's swarm: held-out answers before and after (petals demo --tune)
 tune-demo: $(INSTALLED)

@@ -83,6 +83,7 @@ from benchmarks.harness import (
     summary,
 )
 from benchmarks.server_memory import block_weight_bytes
+from petals.gguf_checkpoint import local_model as plain_model
 
 MIB = 2**20
 MODEL = "llama-1b"
@@ -281,7 +282,7 @@ def remote_model(path: Path, peers: list[str], dtype: torch.dtype, device: torch
 
 
 def local_model(path: Path, dtype: torch.dtype, device: torch.device):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return plain_model(path, dtype=dtype).to(device).eval()
 
 
 class DeviceSwarm(Swarm):

@@ -32,6 +32,8 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from petals.gguf_checkpoint import local_model
+
 RESULTS_DIR = Path(__file__).parent / "results"
 # beyond running_swarm's float32: a fixed throughput, so no server measures its own at start
 SERVER_ARGS = ("--throughput", "1")
@@ -225,7 +227,7 @@ class Context:
         """Plain transformers, fp32, in this process: the baseline."""
         path = self.model_path(name)
         if path not in self._local:
-            self._local[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            self._local[path] = local_model(path, dtype=torch.float32)
         return self._local[path]
 
     def swarm(self, name: str, servers: int, threads: int | None = None) -> Swarm:

@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria
 from benchmarks.trust import run_trust, trust_checks
 from petals.bounded_msgpack import MsgpackLimitError, check_msgpack
 from petals.data_structures import make_uids
+from petals.gguf_checkpoint import local_model
 from petals.testing.malformed import nested_metadata, nested_tuples
 from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm, start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
@@ -353,7 +354,7 @@ model.close()
 
 
 def run_concurrent_clients(model_path: Path, clients: int, tokens: int) -> dict:
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    local = local_model(model_path, dtype=torch.float32)
     with running_swarm(model_path, "0:2", "2:4") as (dht, _):
         started = time.perf_counter()
         processes = [
@@ -438,7 +439,7 @@ FAULTS = {"SIGSTOP of a server": _sigstop, "kill -9 of a server's Python (p2pd l
 def run_faults(model_path: Path, tokens: int) -> dict:
     import petals
 
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    local = local_model(model_path, dtype=torch.float32)
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     expected = local.generate(ids, **kwargs)

@@ -20,9 +20,10 @@ import sys
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from benchmarks.harness import SERVER_ARGS, Check, Context, Result, interleaved, main, summary
+from petals.gguf_checkpoint import local_model
 
 DELAY_MS = 20.0
 SERVERS = 3
@@ -84,7 +85,7 @@ def _prompt(ctx: Context, path) -> torch.Tensor:
 
 
 def _draft(path, blocks: int) -> torch.nn.Module:
-    draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, num_hidden_layers=blocks).eval()
+    draft = local_model(path, dtype=torch.float32, num_hidden_layers=blocks)
     config = draft.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule = DRAFT_TOKENS, "constant"
     config.assistant_confidence_threshold = 0.0  # always propose DRAFT_TOKENS

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 from hivemind.p2p import PeerID
-from transformers import AutoModelForCausalLM
 
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import expiration_from_now
+from petals.gguf_checkpoint import local_model
 from petals.testing.delay_proxy import DelayProxy, free_local_port
 from petals.testing.inprocess import InProcessDht, InProcessServer
 from petals.testing.liar import make_liar
@@ -67,7 +67,7 @@ def _greedy_seconds(model, ids: torch.Tensor, tokens: int) -> tuple[float, torch
 
 def run_lying_server(model_path: Path, seed: int, tokens: int) -> dict:
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(seed))
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    local = local_model(model_path, dtype=torch.float32)
     expected = local.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     report: dict = {"relative_perturbation": 1e-2}
     with _servers(model_path, BLOCKS, BLOCKS, BLOCKS) as (peers, servers):

@@ -194,7 +194,9 @@ def test_a_server_of_blocks_reads_only_their_tensors_and_scales(fp8_checkpoint, 
     fp8, _ = fp8_checkpoint("deepseek-v3-blockwise")
     read: list[str] = []
     real_read = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, keys: read.extend(keys) or real_read(self, keys))
+    monkeypatch.setattr(
+        Checkpoint, "read", lambda self, keys, *rest: read.extend(keys) or real_read(self, keys, *rest)
+    )
     config = AutoDistributedConfig.from_pretrained(fp8)
     checkpoint = Checkpoint.open(fp8)
 

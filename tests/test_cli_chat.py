@@ -9,11 +9,12 @@ import sys
 import pexpect
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from conftest import imported_modules
 from petals.cli.chat import PROMPT
 from petals.demo_model import prepare_demo_model
+from petals.gguf_checkpoint import local_model
 from petals.testing.swarm import inprocess_swarm
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def local_reply(smol_swarm):
     """What plain transformers answers (greedy) to a conversation."""
     path, _ = smol_swarm
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = local_model(path, dtype=torch.float32)
 
     def reply(messages: list[dict]) -> str:
         inputs = tokenizer.apply_chat_template(

@@ -11,12 +11,13 @@ import urllib.request
 import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.cli.generate import encode
 from petals.demo_model import prepare_demo_model
+from petals.gguf_checkpoint import local_model
 from petals.testing.swarm import SwarmProcess
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,11 @@ def demo_cache(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("petals-cache")
     prepare_demo_model(cache_dir)
     return cache_dir
+
+
+@pytest.fixture(scope="module")
+def demo_path(demo_cache):
+    return prepare_demo_model(demo_cache)  # prepared already: the folder at once
 
 
 def test_demo_answers_paris_and_leaves_nothing_behind(demo_cache):
@@ -59,11 +65,11 @@ def test_demo_answers_paris_and_leaves_nothing_behind(demo_cache):
     assert leftovers == []
 
 
-def test_greedy_tokens_through_the_swarm_equal_local_generation(demo_cache):
-    path = demo_cache / "SmolLM2-135M-Instruct"
+def test_greedy_tokens_through_the_swarm_equal_local_generation(demo_path):
+    path = demo_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     inputs = encode(tokenizer, "Name three colours of the rainbow.", chat=True)
-    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    local = local_model(path, dtype=torch.float32)
     expected = local.generate(**inputs, max_new_tokens=24, do_sample=False)
     with inprocess_swarm(path, "0:10", "10:20", "20:30") as (dht, _):
         remote = petals.AutoDistributedModelForCausalLM.from_pretrained(

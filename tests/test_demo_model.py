@@ -81,3 +81,20 @@ def test_gguf_parsed_once_changes_nothing_where_gguf_has_another_shape(tmp_path,
     write_gguf(path, "llama", architecture_last=False)
     with patches.gguf_parsed_once():
         assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_preparing_the_demo_model_writes_no_weights_only_a_link_and_the_tokenizer(tmp_path):
+    from petals.demo_model import DEMO, demo_packages_missing, is_prepared, prepare_demo_model
+    from petals.gguf_checkpoint import gguf_file
+
+    if demo_packages_missing(DEMO):
+        pytest.skip(demo_packages_missing(DEMO))
+    folder = prepare_demo_model(tmp_path)
+    assert is_prepared(tmp_path) and prepare_demo_model(tmp_path) == folder
+    link = folder / DEMO.gguf_file
+    assert link.is_symlink() and gguf_file(folder) == link
+    written = {path.name: path.stat().st_size for path in folder.iterdir() if not path.is_symlink()}
+    assert "tokenizer.json" in written and not any(
+        name.endswith((".safetensors", ".bin")) for name in written
+    )
+    assert sum(written.values()) < 8 * 2**20  # the tokenizer; the weights stay in the 98 MB GGUF file

@@ -11,7 +11,13 @@ from petals.plugins import get_plugin_manager
 
 
 def read_model_type(model_name_or_path: str | os.PathLike, **kwargs: Any) -> str:
-    """The ``model_type`` in a checkpoint's ``config.json`` (local directory or HF cache/hub)."""
+    """The ``model_type`` in a checkpoint's ``config.json`` (local directory or HF cache/hub), or in a
+    GGUF file's metadata as transformers reads it."""
+    from petals.gguf_checkpoint import gguf_config_dict, gguf_file
+
+    gguf = gguf_file(model_name_or_path)
+    if gguf is not None:
+        return gguf_config_dict(gguf)["model_type"]
     config_dict, _ = PretrainedConfig.get_config_dict(model_name_or_path, **kwargs)
     if "model_type" not in config_dict:
         raise ValueError(f"{model_name_or_path}: config.json has no model_type")

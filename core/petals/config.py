@@ -105,7 +105,15 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
-        config = super().from_pretrained(model_name_or_path, *args, **kwargs)
+        from petals.gguf_checkpoint import gguf_config_dict, gguf_file
+
+        gguf = gguf_file(model_name_or_path)
+        if gguf is not None:  # the file's metadata is its config, as transformers reads it (once a process)
+            overrides = {key: value for key, value in kwargs.items() if key not in _HUB_KWARGS}
+            config = cls.from_dict(gguf_config_dict(gguf), **overrides)
+            model_name_or_path = gguf
+        else:
+            config = super().from_pretrained(model_name_or_path, *args, **kwargs)
         if getattr(config, "pad_token_id", None) is None and cls.default_pad_token_id is not None:
             config.pad_token_id = cls.default_pad_token_id
         if config.dht_prefix is None:
@@ -120,10 +128,13 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
         return config
 
 
+_HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
+
+
 def model_id(model_name_or_path: str | os.PathLike) -> str:
-    """A repo id as given, or a local directory's folder name (what prefix rules are applied to)."""
+    """A repo id as given, or a local directory's or file's name (what prefix rules are applied to)."""
     path = Path(model_name_or_path)
-    if path.is_dir():
+    if path.is_dir() or path.is_file():
         return path.resolve().name
     return str(model_name_or_path)
 

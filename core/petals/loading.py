@@ -1,9 +1,10 @@
 """Load one block's weights from a Hugging Face-layout checkpoint, reading nothing else.
 
 Checkpoints are found in a local directory or in the Hugging Face cache (a hub download when the
-hub is reachable). A sharded checkpoint (``model.safetensors.index.json``) is read only from the
-shards holding the block; tensors are read one by one with ``safetensors``. Pickle checkpoints
-(``pytorch_model.bin``) are refused: nothing is ever unpickled.
+hub is reachable); a GGUF file, or a folder holding one, is read by ``petals.gguf_checkpoint``.
+A sharded checkpoint (``model.safetensors.index.json``) is read only from the shards holding the
+block; tensors are read one by one with ``safetensors``. Pickle checkpoints (``pytorch_model.bin``)
+are refused: nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class Checkpoint:
         token: str | bool | None = None,
         max_disk_space: int | None = None,
     ) -> Checkpoint:
+        from petals.gguf_checkpoint import GGUFCheckpoint, gguf_file
+
+        gguf = gguf_file(model_name_or_path)
+        if gguf is not None:
+            return GGUFCheckpoint.open_file(gguf)
         source = str(model_name_or_path)
         hub_kwargs = {"cache_dir": cache_dir, "revision": revision, "token": token}
         checkpoint = cls(source, {}, hub_kwargs, max_disk_space)
@@ -138,8 +144,9 @@ class Checkpoint:
             f"{self.source} has no tensors for block {block_index} (looked for {block_prefix}.N.)"
         )
 
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """Read the named tensors, opening only the files that hold them."""
+    def read(self, keys: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read the named tensors, opening only the files that hold them, as stored (``dtype`` is for
+        formats dequantized as they are read, such as GGUF's)."""
         tensors: dict[str, torch.Tensor] = {}
         for filename in sorted({self.weight_map[key] for key in keys}):
             path = self._fetch(filename)
@@ -171,7 +178,7 @@ def read_block_state_dict(
     ``dtype`` (see ``petals.checkpoint_formats``); other tensors keep the checkpoint's dtype.
     """
     prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
-    state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys).items()}
+    state_dict = {key[len(prefix) :]: tensor for key, tensor in checkpoint.read(keys, dtype).items()}
     state_dict = dequantize_tensors(config, state_dict, dtype)
     return convert_checkpoint_names(config.model_type, state_dict)
 

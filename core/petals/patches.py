@@ -952,10 +952,11 @@ GGUF_PARSED_ONCE = Patch(
 
 
 @contextlib.contextmanager
-def gguf_parsed_once() -> Iterator[None]:
+def gguf_parsed_once(shared: Callable[[str | os.PathLike[str]], Any] | None = None) -> Iterator[None]:
     """Within: each GGUF file is parsed once and each tensor name map built once, however often
     transformers asks. Readers only read (a memory map opened read-only), so sharing one is safe; the
-    block ends with gguf as it was. Where gguf has another shape, or is not installed, it changes nothing."""
+    block ends with gguf as it was. Where gguf has another shape, or is not installed, it changes nothing.
+    ``shared``: where readers come from (a path -> reader cache that outlives the block), if not new."""
     if not GGUF_PARSED_ONCE.fits():
         yield
         return
@@ -967,6 +968,8 @@ def gguf_parsed_once() -> Iterator[None]:
     def parsed_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
         if mode != "r":  # a writable map is not ours to share
             return reader_class(path, mode)
+        if shared is not None:
+            return shared(path)
         key = os.path.realpath(path)
         if key not in readers:
             readers[key] = reader_class(path)

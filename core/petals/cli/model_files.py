@@ -74,15 +74,22 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
 
     source = tokenizer or model
     folder = Path(source).expanduser()
-    if folder.is_dir() and not any(
-        file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
-    ):
+    from petals.gguf_checkpoint import gguf_file, load_gguf_tokenizer
+
+    gguf = gguf_file(source)
+    if gguf is not None and not (folder.is_dir() and _has_tokenizer_files(folder)):
+        return load_gguf_tokenizer(gguf)  # the tokenizer the GGUF file carries in its metadata
+    if folder.is_dir() and not _has_tokenizer_files(folder):
         raise missing_tokenizer(source, tokenizer)
     with finding(source, "tokenizer" if tokenizer else "model"):
         try:
             return AutoTokenizer.from_pretrained(source)
         except ValueError as error:  # "Couldn't instantiate the backend tokenizer ..."
             raise missing_tokenizer(source, tokenizer) from error
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any(file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir())
 
 
 def missing_tokenizer(source: str, tokenizer: str | None) -> MissingTokenizerError:

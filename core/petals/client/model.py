@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
@@ -54,6 +53,7 @@ from petals.client.remote_sequential import RemoteSequential
 from petals.client.suspects import Suspect
 from petals.config import model_id
 from petals.loading import Checkpoint
+from petals.meta_device import NoReferenceOpsOnMeta as _NoReferenceOpsOnMeta
 from petals.network.client import LOOPBACK_CLIENT, ClientNetwork
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class DistributedModelMixin:
         }
         found = {name: key for name, key in found.items() if key is not None}
         keys = with_companions(self.config, sorted(set(found.values())), checkpoint.weight_map)
-        tensors = dequantize_tensors(self.config, checkpoint.read(keys), dtype)
+        tensors = dequantize_tensors(self.config, checkpoint.read(keys, dtype), dtype)
         self._assign_local_tensors({name: _cast(tensors[key], dtype) for name, key in found.items()}, dtype)
 
     def _assign_local_tensors(
@@ -368,23 +368,6 @@ def _refuse_padding():
         "padded inputs are not supported: remote servers attend to every position, so all sequences of a batch "
         "must have the same length (attention_mask all ones)"
     )
-
-
-class _NoReferenceOpsOnMeta(TorchFunctionMode):
-    """On the meta device torch runs some functions through its Python reference ops, whose first use
-    imports sympy (30 MiB, 0.4 s of a client's start). In this thread: ``torch.nn.init`` leaves a meta
-    tensor as it is (it holds no values to set) and ``torch.arange`` without a device makes its (small)
-    range on the CPU, so that buffers computed from it (rotary frequencies) hold their values at once."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-        elif func is torch.arange and kwargs.get("device") is None:
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

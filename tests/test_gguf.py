@@ -1,0 +1,183 @@
+"""GGUF files served as published: each server reads only its blocks' tensors from the file.
+
+The fixture writes a tiny random Llama in llama.cpp's real layout with ``gguf.GGUFWriter``: the
+``llama.*`` metadata keys, tensors under GGUF names (``blk.N.attn_q.weight`` ...), query and key rows
+permuted as llama.cpp's converter permutes them, attention weights and the head in Q8_0, the MLP and
+embeddings in F16, norms in F32. The reference is transformers loading the same file, dequantized.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
+
+import petals
+from conftest import LOOPBACK_CLIENT
+from petals.auto import AutoDistributedConfig
+from petals.block import make_block
+from petals.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from petals.loading import Checkpoint, CheckpointError, load_block
+from petals.local_swarm import running_swarm
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install gguf")
+
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+ROPE_THETA = 10000.0  # transformers' LlamaConfig default
+Q8_0, F16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16
+LAYER_TENSORS = {  # GGUF name -> (Hugging Face name, stored as)
+    "attn_q": ("self_attn.q_proj", Q8_0),
+    "attn_k": ("self_attn.k_proj", Q8_0),
+    "attn_v": ("self_attn.v_proj", Q8_0),
+    "attn_output": ("self_attn.o_proj", Q8_0),
+    "ffn_gate": ("mlp.gate_proj", F16),
+    "ffn_up": ("mlp.up_proj", F16),
+    "ffn_down": ("mlp.down_proj", F16),
+    "attn_norm": ("input_layernorm", None),
+    "ffn_norm": ("post_attention_layernorm", None),
+}
+
+
+def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of query/key rows (interleaved rotary halves)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(CONFIG).eval()
+    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(CONFIG.num_hidden_layers)
+    writer.add_context_length(CONFIG.max_position_embeddings)
+    writer.add_embedding_length(CONFIG.hidden_size)
+    writer.add_feed_forward_length(CONFIG.intermediate_size)
+    writer.add_head_count(CONFIG.num_attention_heads)
+    writer.add_head_count_kv(CONFIG.num_key_value_heads)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
+    writer.add_vocab_size(CONFIG.vocab_size)
+
+    def add(name: str, weight: np.ndarray, stored_as) -> None:
+        if stored_as is None:
+            writer.add_tensor(name, weight.astype(np.float32))
+        elif stored_as == F16:
+            writer.add_tensor(name, weight.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(weight, stored_as), raw_dtype=stored_as)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], F16)
+    for index in range(CONFIG.num_hidden_layers):
+        for short, (hf_name, stored_as) in LAYER_TENSORS.items():
+            weight = state[f"model.layers.{index}.{hf_name}.weight"]
+            if short == "attn_q":
+                weight = permute_rows(weight, CONFIG.num_attention_heads)
+            elif short == "attn_k":
+                weight = permute_rows(weight, CONFIG.num_key_value_heads)
+            add(f"blk.{index}.{short}.weight", weight, stored_as)
+    add("output_norm.weight", state["model.norm.weight"], None)
+    add("output.weight", state["lm_head.weight"], Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf")
+
+
+def transformers_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=path.name, dequantize=True),
+    ).eval()
+
+
+def test_a_file_or_a_folder_holding_one_names_the_gguf(tiny_gguf, tmp_path):
+    assert gguf_file(tiny_gguf) == tiny_gguf
+    assert gguf_file(tiny_gguf.parent) == tiny_gguf
+    assert gguf_file(tmp_path) is None
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(tiny_gguf.read_bytes())
+    with pytest.raises(CheckpointError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\): name the one to use"):
+        Checkpoint.open(tmp_path)
+
+
+def test_served_block_equals_the_same_weights_dequantized_in_one_process(tiny_gguf):
+    config = AutoDistributedConfig.from_pretrained(tiny_gguf)
+    assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("llama", 4, 2)
+    reference = transformers_model(tiny_gguf)
+    hidden = torch.randn(2, 5, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
+    for index in range(CONFIG.num_hidden_layers):
+        block = load_block(tiny_gguf, index, torch.float32, config=config)
+        expected = make_block(config, index).eval()  # the same block, filled from transformers' model
+        expected.load_state_dict(reference.model.layers[index].state_dict(), strict=True)
+        assert block.state_dict().keys() == expected.state_dict().keys()
+        assert (block(hidden) - expected(hidden)).abs().max().item() <= 1e-5
+
+
+def test_the_unpermuted_weights_are_the_written_ones_within_q8_0_error(tiny_gguf):
+    """Not only equal to transformers: the query rows are the model's own again (Q8_0: ~1/127 per block)."""
+    torch.manual_seed(0)
+    written = LlamaForCausalLM(CONFIG).model.layers[1].self_attn.q_proj.weight
+    block = load_block(tiny_gguf, 1, torch.float32)
+    error = (block.self_attn.q_proj.weight - written).abs().max() / written.abs().max()
+    assert 0 < error < 0.01
+
+
+def test_a_server_of_blocks_reads_only_their_tensors_in_the_serving_dtype(tiny_gguf, monkeypatch):
+    read: list[str] = []
+    real_read = GGUFCheckpoint.read
+    monkeypatch.setattr(
+        GGUFCheckpoint,
+        "read",
+        lambda self, keys, dtype=None: read.extend(keys) or real_read(self, keys, dtype),
+    )
+    config = AutoDistributedConfig.from_pretrained(tiny_gguf)
+    checkpoint = Checkpoint.open(tiny_gguf)
+    blocks = [load_block(tiny_gguf, i, torch.bfloat16, config=config, checkpoint=checkpoint) for i in (1, 2)]
+
+    assert {checkpoint.weight_map[name] for name in read} == {
+        f"blk.{index}.{short}.weight" for index in (1, 2) for short in LAYER_TENSORS
+    }
+    assert {t.dtype for block in blocks for t in block.state_dict().values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(tiny_gguf):
+    ids = torch.randint(3, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = transformers_model(tiny_gguf).generate(ids, **kwargs)
+
+    with running_swarm(tiny_gguf.parent, "0:2", "2:4") as (dht, _servers):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_gguf, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4
