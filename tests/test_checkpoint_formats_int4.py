@@ -247,7 +247,9 @@ def test_a_server_of_blocks_reads_only_their_tensors_and_their_companions(checkp
     quantized, _ = checkpoint(layout)
     read: list[str] = []
     real_read = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, keys: read.extend(keys) or real_read(self, keys))
+    monkeypatch.setattr(
+        Checkpoint, "read", lambda self, keys, *rest: read.extend(keys) or real_read(self, keys, *rest)
+    )
     config = AutoDistributedConfig.from_pretrained(quantized)
     opened = Checkpoint.open(quantized)
 
