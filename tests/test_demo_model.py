@@ -3,6 +3,8 @@ from the header alone, and transformers parsing the file once (``petals.patches.
 
 from __future__ import annotations
 
+import threading
+
 import gguf
 import numpy as np
 import pytest
@@ -70,6 +72,37 @@ def test_within_gguf_parsed_once_each_file_is_parsed_once_and_gguf_is_restored_a
         assert gguf.get_tensor_name_map(llama, 3) is not gguf.get_tensor_name_map(llama, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
     assert gguf.GGUFReader(first) is not gguf.GGUFReader(first)
+
+
+def test_threads_leaving_gguf_parsed_once_in_any_order_leave_gguf_as_it_was(tmp_path):
+    """A client and servers loading GGUF blocks at once in one process enter and leave in any order; gguf
+    is restored once the last leaves, and a thread outside every block reads anew meanwhile."""
+    path = tmp_path / "a.gguf"
+    write_gguf(path, "llama", architecture_last=False)
+    reader_class = gguf.GGUFReader
+    entered, first_left, results = threading.Event(), threading.Event(), {}
+
+    def first() -> None:
+        with patches.gguf_parsed_once():
+            entered.set()
+            results["first"] = gguf.GGUFReader(path) is gguf.GGUFReader(path)
+        first_left.set()
+
+    with patches.gguf_parsed_once():  # this thread enters first and leaves last
+        thread = threading.Thread(target=first)
+        thread.start()
+        entered.wait(10)
+        first_left.wait(10)
+        thread.join(10)
+        results["second"] = gguf.GGUFReader(path) is gguf.GGUFReader(path)
+        outside = {}
+        reader = threading.Thread(
+            target=lambda: outside.update(same=gguf.GGUFReader(path) is gguf.GGUFReader(path))
+        )
+        reader.start()
+        reader.join(10)
+    assert results == {"first": True, "second": True} and outside == {"same": False}
+    assert gguf.GGUFReader is reader_class
 
 
 def test_gguf_parsed_once_changes_nothing_where_gguf_has_another_shape(tmp_path, monkeypatch):

@@ -951,32 +951,72 @@ GGUF_PARSED_ONCE = Patch(
 )
 
 
+class _GGUFPatch:
+    """gguf as patched while any thread is within ``gguf_parsed_once``: installed by the first thread
+    to enter, restored by the last to leave (threads enter and leave in any order: a client and
+    servers loading at once in one process). Each thread reads through its own innermost block's
+    readers; a thread outside every block gets new readers, as from the unpatched gguf."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: tuple[Any, Any] = (None, None)
+        self.local = threading.local()  # .blocks: this thread's open blocks, innermost last
+
+    def enter(self, gguf: Any, block: Callable[[str | os.PathLike[str]], Any]) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.saved = (gguf.GGUFReader, gguf.get_tensor_name_map)
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.read, functools.cache(self.saved[1])
+            self.depth += 1
+        self.blocks().append(block)
+
+    def leave(self, gguf: Any) -> None:
+        self.blocks().pop()
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.saved
+
+    def blocks(self) -> list[Callable[[str | os.PathLike[str]], Any]]:
+        if not hasattr(self.local, "blocks"):
+            self.local.blocks = []
+        return self.local.blocks
+
+    def read(self, path: str | os.PathLike[str], mode: str = "r") -> Any:
+        blocks = self.blocks()
+        if mode != "r" or not blocks:  # a writable map is not ours to share
+            return self.saved[0](path, mode)
+        return blocks[-1](path)
+
+
+_GGUF_PATCH = _GGUFPatch()
+
+
 @contextlib.contextmanager
 def gguf_parsed_once(shared: Callable[[str | os.PathLike[str]], Any] | None = None) -> Iterator[None]:
     """Within: each GGUF file is parsed once and each tensor name map built once, however often
     transformers asks. Readers only read (a memory map opened read-only), so sharing one is safe; the
-    block ends with gguf as it was. Where gguf has another shape, or is not installed, it changes nothing.
+    block ends with gguf as it was once no thread is within one (``_GGUFPatch``). Where gguf has another
+    shape, or is not installed, it changes nothing.
     ``shared``: where readers come from (a path -> reader cache that outlives the block), if not new."""
     if not GGUF_PARSED_ONCE.fits():
         yield
         return
     import gguf
 
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[str, Any] = {}
 
-    def parsed_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
-        if mode != "r":  # a writable map is not ours to share
-            return reader_class(path, mode)
+    def parsed_once(path: str | os.PathLike[str]) -> Any:
         if shared is not None:
             return shared(path)
         key = os.path.realpath(path)
         if key not in readers:
-            readers[key] = reader_class(path)
+            readers[key] = _GGUF_PATCH.saved[0](path)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = parsed_once, functools.cache(name_map)
+    _GGUF_PATCH.enter(gguf, parsed_once)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        _GGUF_PATCH.leave(gguf)
