@@ -51,7 +51,6 @@ def cache_spec(config: Gemma4TextConfig, block_index: int) -> CacheSpec:
     layers), ``num_key_value_heads`` of them (``num_global_key_value_heads`` on full layers where set);
     a sliding layer keeps its window."""
     from petals.kv_cache import FullAttentionSpec, SlidingWindowSpec  # torch: not on loading plugins
-    from petals.kv_cache.specs import layer_kind
 
     layer = config.per_layer_config[block_index]
     sizes = dict(
@@ -60,7 +59,7 @@ def cache_spec(config: Gemma4TextConfig, block_index: int) -> CacheSpec:
         value_dim=layer.head_dim,
         num_query_heads=config.num_attention_heads,
     )
-    layer_type, kwargs = layer_kind(config, block_index)
-    if layer_type == "sliding_attention":
-        return SlidingWindowSpec(**sizes, window=kwargs["sliding_window"])
+    # the config always lists its layer types (core's reading walks every layer's config, for each call)
+    if config.layer_types[block_index] == "sliding_attention":
+        return SlidingWindowSpec(**sizes, window=config.sliding_window)
     return FullAttentionSpec(**sizes)
