@@ -108,3 +108,26 @@ def test_attention_mask_all_ones_is_accepted_and_padding_refused(models):
     mask[0, 0] = 0
     with pytest.raises(ValueError, match="padded"):
         remote.generate(ids, attention_mask=mask, max_new_tokens=3)
+
+
+def test_a_family_config_adjusts_the_client_model_core_built():
+    """``DistributedConfigMixin.adjust_client_model``: called once on the built model, its layers already
+    remote (Gemma 4 corrects an index its model derived from a layer count of 0)."""
+    from transformers import LlamaConfig
+
+    from petals.client.model import AutoDistributedModelForCausalLM, distributed_class
+    from petals.plugins import get_plugin_manager
+
+    seen = []
+
+    class Adjusting(get_plugin_manager().family("llama").config_class):
+        def adjust_client_model(self, model) -> None:
+            seen.append((type(model.model.layers[0]).__name__, len(model.remote_blocks)))
+
+    config = Adjusting.from_dict(
+        LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, vocab_size=100
+        ).to_dict()
+    )
+    distributed_class(config, AutoDistributedModelForCausalLM)(config, network=object())
+    assert seen == [("_RemoteLayers", 4)]

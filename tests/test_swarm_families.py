@@ -5,7 +5,7 @@ distributed model's greedy tokens (and logits) equal transformers' ``generate`` 
 Each model switches on what makes its family differ, and generates well past its window or chunk, so
 the servers' sliding and chunked caches drop what fell out of them. The client keeps the embeddings, the
 final norm and the LM head, with transformers' own code: Gemma's embeddings scaled by the square root of
-the hidden size and Gemma 2's soft-capped logits are computed there. Add a family as a row of ``MODELS``.
+the hidden size and Gemma 2's and 4's soft-capped logits are computed there. Add a family as a row of ``MODELS``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GemmaConfig,
     GptOssConfig,
     Llama4TextConfig,
@@ -45,6 +46,17 @@ SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
 MODELS = {
     "gemma3_text": Gemma3TextConfig(
         **TINY, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+    ),
+    # each server holds a sliding layer (2 key/value heads of 16) and a full one (1 of 32, keys as values)
+    "gemma4_text": Gemma4TextConfig(
+        **TINY,
+        sliding_window=WINDOW,
+        layer_types=SLIDING_THEN_FULL,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        final_logit_softcapping=3.0,
+        hidden_size_per_layer_input=0,
     ),
     "gemma2": Gemma2Config(
         **TINY,

@@ -103,6 +103,14 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
         kv_heads = getattr(self, "num_key_value_heads", None) or self.num_attention_heads
         return self.num_attention_heads // kv_heads
 
+    def adjust_client_model(self, model: Any) -> None:
+        """Change the client's model after core built it (nothing by default).
+
+        The client's transformers model is built from a copy of this config with no layers, then its
+        layer list runs every block remotely. A family whose model derives something from its layer
+        count while it is built (an index at which layers change behaviour, say) corrects it here.
+        """
+
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
         from petals.gguf_checkpoint import gguf_config_dict, gguf_file

@@ -1,6 +1,7 @@
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
 from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer, Gemma2RotaryEmbedding
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer, Gemma4TextRotaryEmbedding
 
 from petals.block import RotaryBlockMixin
 
@@ -23,3 +24,16 @@ class Gemma3Block(RotaryBlockMixin, Gemma3DecoderLayer):
     (local sliding layers and global full ones differ in base)."""
 
     rotary_class = Gemma3RotaryEmbedding
+
+
+class Gemma4Block(RotaryBlockMixin, Gemma4TextDecoderLayer):
+    """One Gemma 4 layer: Gemma 3's, with wider heads on full layers (keys doubling as values where
+    ``attention_k_eq_v``), an optional mixture of experts beside the MLP, and a learned output scale."""
+
+    rotary_class = Gemma4TextRotaryEmbedding
+
+    def __init__(self, config, block_index: int = 0) -> None:
+        super().__init__(config, block_index)
+        # the last layer of each type would keep its keys and values for layers that share them; served
+        # configs have none (petals_gemma.gemma4), and nothing on a server reads them
+        self.self_attn.store_full_length_kv = False

@@ -1,6 +1,7 @@
-from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
+from transformers import Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GemmaConfig
 
 from petals.config import DistributedConfigMixin, LazyClass
+from petals_gemma.gemma4 import refuse_unservable
 
 
 class DistributedGemmaConfig(DistributedConfigMixin, GemmaConfig):
@@ -19,3 +20,18 @@ class DistributedGemma3TextConfig(DistributedConfigMixin, Gemma3TextConfig):
     block_class = LazyClass("petals_gemma.block:Gemma3Block")
     attn_class = LazyClass("transformers.models.gemma3.modeling_gemma3:Gemma3Attention")
     block_prefix = "model.layers"
+
+
+class DistributedGemma4TextConfig(DistributedConfigMixin, Gemma4TextConfig):
+    block_class = LazyClass("petals_gemma.block:Gemma4Block")
+    attn_class = LazyClass("transformers.models.gemma4.modeling_gemma4:Gemma4TextAttention")
+    block_prefix = "model.layers"
+
+    def __post_init__(self, **kwargs) -> None:
+        super().__post_init__(**kwargs)
+        refuse_unservable(self)
+
+    def adjust_client_model(self, model) -> None:
+        # built without layers, transformers' model takes layer 0 for the first of those that share keys and
+        # values, and would cut a prompt to its last token before the remote layers: no served layer shares
+        model.base_model.first_kv_shared_layer_idx = self.num_hidden_layers

@@ -106,6 +106,7 @@ class DistributedModelMixin:
         )
         self._thread_state = threading.local()  # prompts prepended by this thread's current forward
         self._init_prompts(config)
+        config.adjust_client_model(self)
 
     @property
     def prepended_prompts(self) -> int:
