@@ -1,6 +1,6 @@
 """The manager of indexed attention: full attention beside a sparse-attention indexer.
 
-A DeepSeek-Sparse-Attention layer (transformers' ``indexed_attention`` kind) caches, per token, what
+A sparse-attention layer (transformers' ``indexed_attention`` kind) caches, per token, what
 its attention hands ``cache.update`` (keys and values; a latent and a rope key for latent attention)
 and, through ``cache.update_indexer``, one key of its indexer (``IndexedAttentionSpec.index_dim``
 values), which scores every cached token to choose those each query attends. Both live in the same
