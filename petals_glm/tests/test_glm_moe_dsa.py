@@ -2,6 +2,9 @@
 picks, its latent, rope key and indexer keys paged per token (``IndexedAttentionSpec``), exactly as
 transformers computes it; configs whose layers share an earlier layer's indexer selection are refused."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import GlmMoeDsaConfig
@@ -69,3 +72,8 @@ def test_layers_sharing_an_earlier_indexer_selection_are_refused_in_one_line(tmp
     ) as error:
         AutoDistributedConfig.from_pretrained(tmp_path)
     assert "\n" not in str(error.value)
+    # petals serve stops at the config with that line alone
+    serve = "from petals.cli import main; main(prog_name='petals')"
+    args = ["serve", str(tmp_path), "--loopback", "--new_swarm", "--torch_dtype", "float32"]
+    result = subprocess.run([sys.executable, "-c", serve, *args], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1 and result.stderr.strip() == f"Error: {error.value}", result.stderr
