@@ -16,6 +16,9 @@ from petals.kv_cache import (
     CacheOverflowError,
     FullAttentionSpec,
     HybridSpec,
+    IndexedAttentionCache,
+    IndexedAttentionSpec,
+    IndexedPagePool,
     LinearAttentionSpec,
     LinearAttentionState,
     PagePool,
@@ -330,3 +333,64 @@ def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():
     for cache in caches:
         cache.release()
     assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE
+
+
+# a latent of 6 and a rope key of 2 as one key/value "head" read by 4 query heads, and indexer keys of 3
+INDEXED = IndexedAttentionSpec(num_kv_heads=1, key_dim=6, value_dim=2, num_query_heads=4, index_dim=3)
+
+
+def _indexed_step(cache, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As an indexed layer writes a step: keys and values, then the same tokens' indexer keys (each
+    tensor filled with its token's value, so what is read back shows where it came from)."""
+    rows, length = tokens.shape
+    view = cache.view() if not isinstance(cache, list) else IndexedAttentionCache.merged(cache)
+    keys, _ = view.update(
+        tokens.view(rows, 1, length, 1).expand(-1, -1, -1, 6), torch.zeros(rows, 1, length, 2), 0
+    )
+    return keys[:, 0, :, 0], view.update_indexer(tokens[..., None].expand(-1, -1, 3), 0)[..., 0]
+
+
+def test_an_indexed_attention_cache_keeps_its_indexer_keys_in_the_pages_of_its_keys():
+    assert INDEXED.bytes_per_token(torch.bfloat16) == (6 + 2 + 3) * 2
+    pool = IndexedAttentionCache.make_pool(
+        INDEXED, tokens=64, page_tokens=4, dtype=torch.float32, device="cpu"
+    )
+    assert isinstance(pool, IndexedPagePool) and pool.nbytes == 16 * pool.page_nbytes == 64 * 11 * 4
+    cache = open_cache(INDEXED, 2, 12, pool=pool)
+    keys, indexer_keys = _indexed_step(cache, torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
+    assert torch.equal(indexer_keys, keys) and indexer_keys.shape == (2, 3)
+    assert cache.nbytes == 2 * pool.page_nbytes  # one page per sequence: keys, values and indexer keys
+    cache.reorder(torch.tensor([1, 1]))  # every per-token tensor moves with the beams
+    keys, indexer_keys = _indexed_step(cache, torch.tensor([[7.0], [8.0]]))
+    assert indexer_keys.tolist() == keys.tolist() == [[4, 5, 6, 7], [4, 5, 6, 8]]
+    cache.rewind(2)  # and rewinds with them: the next step's indexer keys follow the kept ones
+    keys, indexer_keys = _indexed_step(cache, torch.full((2, 2), 9.0))
+    assert indexer_keys.tolist() == keys.tolist() == [[4, 5, 9, 9]] * 2
+    cache.release()
+    assert pool.free_pages == pool.num_pages
+
+
+def test_indexed_attention_caches_of_sessions_at_different_positions_merge_left_padded():
+    pool = IndexedAttentionCache.make_pool(
+        INDEXED, tokens=64, page_tokens=3, dtype=torch.float32, device="cpu"
+    )
+    long, short = open_cache(INDEXED, 1, 16, pool=pool), open_cache(INDEXED, 2, 16, pool=pool)
+    _indexed_step(long, torch.tensor([[1.0, 2, 3, 4, 5]]))
+    _indexed_step(short, torch.tensor([[1.0], [2]]))
+    keys, indexer_keys = _indexed_step([long, short], torch.tensor([[6.0], [7], [8]]))
+    assert (
+        indexer_keys.tolist() == keys.tolist() == [[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 7], [0, 0, 0, 0, 2, 8]]
+    )
+
+
+def test_indexer_keys_are_refused_unless_they_follow_their_keys_at_their_width():
+    cache = open_cache(INDEXED, 1, 8)
+    assert isinstance(cache, IndexedAttentionCache)
+    with pytest.raises(ValueError, match="update_indexer got 2 tokens after an update of None"):
+        cache.view().update_indexer(torch.zeros(1, 2, 3), 0)
+    view = cache.view()
+    view.update(torch.zeros(1, 1, 2, 6), torch.zeros(1, 1, 2, 2), 0)
+    with pytest.raises(ValueError, match="indexer keys of 5 values; its cache spec says 3: fix the family's"):
+        view.update_indexer(torch.zeros(1, 2, 5), 0)
+    with pytest.raises(ValueError, match="layer 1 wrote indexer keys into the cache of block 0"):
+        view.update_indexer(torch.zeros(1, 2, 3), 1)

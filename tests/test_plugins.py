@@ -23,7 +23,7 @@ FAMILIES = {
     "exaone": "exaone4",
     "falcon": "falcon, falcon_h1",
     "gemma": "gemma, gemma2, gemma3_text, gemma4_text",
-    "glm": "glm4, glm4_moe",
+    "glm": "glm4, glm4_moe, glm_moe_dsa",
     "gpt_oss": "gpt_oss",
     "granite": "granite, granitemoe",
     "lfm": "lfm2",
@@ -96,9 +96,10 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
     )
     assert (
         "model type 'llama' has no installed plugin; installed: bloom, cohere2, deepseek_v2, deepseek_v3, dots1, "
-        "ernie4_5_moe, exaone4, falcon, falcon_h1, gemma, gemma2, gemma3_text, gemma4_text, glm4, glm4_moe, gpt_oss, "
-        "granite, granitemoe, kimi_linear, lfm2, minimax_m2, ministral3, mistral, mixtral, olmo2, olmo3, olmoe, "
-        "petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
+        "ernie4_5_moe, exaone4, falcon, falcon_h1, gemma, gemma2, gemma3_text, gemma4_text, glm4, glm4_moe, "
+        "glm_moe_dsa, gpt_oss, granite, granitemoe, kimi_linear, lfm2, minimax_m2, ministral3, mistral, mixtral, "
+        "olmo2, olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, "
+        "qwen3_5_text, qwen3_moe, "
         "qwen3_next" in failed.stderr
     )
 
@@ -210,7 +211,7 @@ def test_importing_petals_and_loading_plugins_is_lazy():
             "qwen3", "qwen3_moe", "qwen3_next", "qwen2_moe", "gemma", "gemma2", "gemma3", "gemma4", "mistral",
             "ministral3", "gpt_oss", "llama4", "smollm3", "glm4", "glm4_moe", "olmo2", "olmo3", "olmoe",
             "phi3", "phimoe", "granite", "granitemoe", "qwen3_5", "qwen3_5_moe", "cohere2", "exaone4",
-            "ernie4_5_moe", "dots1", "minimax_m2", "lfm2", "falcon_h1", "kimi_linear",
+            "ernie4_5_moe", "dots1", "minimax_m2", "lfm2", "falcon_h1", "kimi_linear", "glm_moe_dsa",
         )
         loaded = [m for m in sys.modules if any(m == f"transformers.models.{f}.modeling_{f}" for f in families)]
         assert not loaded, f"modeling code imported while loading plugins: {loaded}"

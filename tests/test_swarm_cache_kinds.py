@@ -10,6 +10,9 @@ and its replica rebuilds that cache from the session's history (logits equal too
   replica, after replaying that history, have given pages back;
 * full attention with keys and values of their own widths, layers that differ by index (DeepSeek V3:
   its latent of 16 values and rope key of 8, a dense first layer, then shared and routed experts);
+* indexed attention (GLM-5: DeepSeek's latent beside a sparse-attention indexer whose keys are paged with
+  it, 4 tokens picked of up to 104, 8 indexer heads; a dense first layer, then experts): the replica rebuilds
+  the latent and the indexer keys alike;
 * linear attention (Qwen3-Next: three gated delta net layers, then a full-attention one, each with routed
   experts and a shared expert): a fixed-size state per sequence, which the replica of the killed server
   (a linear layer and the full one) rebuilds by replaying the history through the recurrence.
@@ -21,13 +24,19 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3NextConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, GlmMoeDsaConfig, Qwen2Config, Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 import petals
 from conftest import LOOPBACK_CLIENT, KillServingServer, save_random_model
 from petals.block import cache_spec
-from petals.kv_cache import REWIND_MARGIN, FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec
+from petals.kv_cache import (
+    REWIND_MARGIN,
+    FullAttentionSpec,
+    IndexedAttentionSpec,
+    LinearAttentionSpec,
+    SlidingWindowSpec,
+)
 from petals.testing.swarm import running_swarm
 
 WINDOW = 8
@@ -69,6 +78,29 @@ MODELS = {
         qk_rope_head_dim=8,
         v_head_dim=12,
     ),
+    "latent-indexed-sparse": GlmMoeDsaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1000,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        index_topk=4,
+        index_head_dim=16,
+        index_n_heads=8,
+    ),
     # blocks 2:4, the killed server's, are a linear layer and the full one
     "linear-then-full-attention": Qwen3NextConfig(
         hidden_size=64,
@@ -98,6 +130,10 @@ SPECS = {  # what each block caches, as servers budget it
     "sliding-window": [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec(**HEADS)] * 2,
     "latent-dense-then-experts": [
         FullAttentionSpec(num_kv_heads=1, key_dim=16, value_dim=8, num_query_heads=4)
+    ]
+    * 4,
+    "latent-indexed-sparse": [
+        IndexedAttentionSpec(num_kv_heads=1, key_dim=16, value_dim=8, num_query_heads=4, index_dim=16)
     ]
     * 4,
     "linear-then-full-attention": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],

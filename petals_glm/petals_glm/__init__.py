@@ -3,9 +3,11 @@
 from petals_glm.config import (
     DistributedGlm4Config,
     DistributedGlm4MoeConfig,
+    DistributedGlmMoeDsaConfig,
 )
 
 __all__ = [
     "DistributedGlm4Config",
     "DistributedGlm4MoeConfig",
+    "DistributedGlmMoeDsaConfig",
 ]

@@ -19,6 +19,8 @@ for the tokens a kind keeps, not for ``max_length``. Linear attention (``LinearA
 a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``),
 with or without a recurrent state (a short convolution keeps only its inputs). A hybrid layer
 (``HybridSpec``: a state-space mixer beside attention) keeps both, in a pool of each (``HybridPool``).
+Indexed attention (``IndexedAttentionSpec``: a sparse-attention indexer beside attention) keeps its
+indexer's keys in the same pages as its keys and values (``petals.kv_cache.indexed``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from petals.kv_cache.attention import (
     SlidingWindowCache,
     check_hypo_ids,
 )
+from petals.kv_cache.indexed import IndexedAttentionCache, IndexedPagedCache, IndexedPagePool
 from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, OutOfPagesError, PagePool
 from petals.kv_cache.specs import (
     REWIND_MARGIN,
@@ -44,6 +47,7 @@ from petals.kv_cache.specs import (
     ChunkedAttentionSpec,
     FullAttentionSpec,
     HybridSpec,
+    IndexedAttentionSpec,
     LinearAttentionSpec,
     SlidingWindowSpec,
     UnservedSpec,
@@ -63,6 +67,7 @@ MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState
     FullAttentionSpec: AttentionCache,
     SlidingWindowSpec: SlidingWindowCache,
     ChunkedAttentionSpec: SlidingWindowCache,
+    IndexedAttentionSpec: IndexedAttentionCache,
     LinearAttentionSpec: LinearAttentionState,
     HybridSpec: HybridCache,
 }
@@ -137,6 +142,10 @@ __all__ = [
     "HybridPool",
     "HybridRowsCache",
     "HybridSpec",
+    "IndexedAttentionCache",
+    "IndexedAttentionSpec",
+    "IndexedPagePool",
+    "IndexedPagedCache",
     "LinearAttentionSpec",
     "LinearAttentionState",
     "OutOfPagesError",

@@ -33,6 +33,8 @@ class AttentionCache:
     reorderable for beams. Without a pool it is standalone and takes its whole ``max_length`` up front
     (tests, measurements); a server opens its sessions' caches on the block's pool with ``paged``."""
 
+    pool_class: type[PagePool] = PagePool
+
     def __init__(
         self,
         spec: FullAttentionSpec,
@@ -50,7 +52,7 @@ class AttentionCache:
             length = max(max_length, 1)
             page_tokens = length if spec.tokens_held(length) >= length else PAGE_TOKENS
             pages = max(batch_size, 1) * -(-length // page_tokens)
-            pool = PagePool(spec, pages, page_tokens, dtype, device)
+            pool = self.pool_class(spec, pages, page_tokens, dtype, device)
         self.pool, self.spec, self.layer_index = pool, spec, layer_index
         self.num_sequences, self.max_length = batch_size, max_length
         self.length = 0
@@ -77,7 +79,7 @@ class AttentionCache:
         device: torch.device | str,
     ) -> PagePool:
         """A block's pool for ``tokens`` tokens of this kind, shared by its sessions."""
-        return PagePool(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
+        return cls.pool_class(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
 
     @staticmethod
     def merged(caches: Sequence[AttentionCache]) -> PagedCache:
@@ -86,7 +88,7 @@ class AttentionCache:
 
     def view(self) -> PagedCache:
         """This session alone, as a transformers ``Cache``."""
-        return PagedCache([self])
+        return self.merged([self])
 
     @property
     def position(self) -> int:
@@ -179,8 +181,8 @@ class AttentionCache:
         check_hypo_ids(hypo_ids, self.num_sequences)
         slots = self.slots(self.first_held, self.length)
         sources = slots[hypo_ids.to(slots.device)].flatten()
-        self.pool.keys[slots.flatten()] = self.pool.keys[sources]
-        self.pool.values[slots.flatten()] = self.pool.values[sources]
+        for tensor in self.pool.tensors:
+            tensor[slots.flatten()] = tensor[sources]
 
     def release(self) -> None:
         """Give every page back to the pool; the cache takes no more (the session has ended)."""
@@ -252,7 +254,6 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError("caches computed in one forward must share one page pool")
         self.is_sliding = isinstance(self.members[0], SlidingWindowCache)
         self.is_initialized = True
-        self._width: int | None = None  # columns the last update returned
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the pool is allocated up front."""
@@ -295,10 +296,9 @@ class PagedLayer(CacheLayerMixin):
         width = length + new_tokens - self.members[0].visible_offset(length)
         for member in self.members:
             member.reserve(new_tokens)
-        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
-            self._write_contiguous(start, key_states, value_states)
-        else:
-            self._write_slots(key_states, value_states)
+        self.write(
+            (self.pool.keys, self.pool.values), (key_states.transpose(1, 2), value_states.transpose(1, 2))
+        )
         for member in self.members:
             member.length += new_tokens
         keys, values = self._read(width)
@@ -309,30 +309,27 @@ class PagedLayer(CacheLayerMixin):
             values = values.repeat_interleave(spec.group_size, dim=1)
         return keys, values
 
-    def _write_contiguous(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """One sequence in consecutive pages (a lone session's): the step's tokens are one slice."""
-        first = start + self.members[0].length
-        end = first + key_states.shape[-2]
-        self.pool.keys[first:end].copy_(key_states[0].transpose(0, 1))
-        self.pool.values[first:end].copy_(value_states[0].transpose(0, 1))
-
-    def _write_slots(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        new_tokens = key_states.shape[-2]
-        slots = torch.cat(
-            [member.slots(member.length, member.length + new_tokens) for member in self.members]
-        )
-        self.pool.keys[slots.flatten()] = key_states.transpose(1, 2).flatten(0, 1)
-        self.pool.values[slots.flatten()] = value_states.transpose(1, 2).flatten(0, 1)
-
-    def _read(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last ``width`` columns of every row (a row shorter than that is padded on the left)."""
+    def write(self, tensors: Sequence[torch.Tensor], states: Sequence[torch.Tensor], back: int = 0) -> None:
+        """Write each of ``states`` (``[rows, new tokens, ...]``) into the pool tensor beside it, at each
+        row's next positions, or ``back`` tokens before them (beside what the step wrote already)."""
+        new_tokens = states[0].shape[1]
         if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
-            member = self.members[0]  # one sequence in consecutive pages: a view, no copy
-            end = start + member.length
-            return (
-                self.pool.keys[None, end - width : end].transpose(1, 2),
-                self.pool.values[None, end - width : end].transpose(1, 2),
-            )
+            first = start + self.members[0].length - back  # consecutive pages: the tokens are one slice
+            for tensor, state in zip(tensors, states, strict=True):
+                tensor[first : first + new_tokens].copy_(state[0])
+            return
+        slots = torch.cat(
+            [member.slots(member.length - back, member.length - back + new_tokens) for member in self.members]
+        ).flatten()
+        for tensor, state in zip(tensors, states, strict=True):
+            tensor[slots] = state.flatten(0, 1)
+
+    def read(self, tensors: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+        """The last ``width`` tokens of every row of each pool tensor, ``[rows, width, ...]`` (a row shorter
+        than that is padded with zeros on the left)."""
+        if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
+            end = start + self.members[0].length  # one sequence in consecutive pages: a view, no copy
+            return [tensor[None, end - width : end] for tensor in tensors]
         slots = torch.cat(
             [
                 _left_padded(member.slots(max(member.length - width, 0), member.length), width)
@@ -341,8 +338,14 @@ class PagedLayer(CacheLayerMixin):
         )
         padding = slots < 0
         slots = slots.clamp(min=0)
-        keys = self.pool.keys[slots].masked_fill_(padding[..., None, None], 0)
-        values = self.pool.values[slots].masked_fill_(padding[..., None, None], 0)
+        return [
+            tensor[slots].masked_fill_(padding.view(*padding.shape, *[1] * (tensor.dim() - 1)), 0)
+            for tensor in tensors
+        ]
+
+    def _read(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[rows, kv_heads, width, dim]`` of the last ``width`` columns of every row."""
+        keys, values = self.read((self.pool.keys, self.pool.values), width)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 
@@ -419,8 +422,8 @@ class RowsCache(Cache):
 class PagedCache(RowsCache):
     """Several sessions' attention caches of one block, for one batched forward (their rows, in order)."""
 
-    def __init__(self, members: Sequence[AttentionCache]) -> None:
-        super().__init__(members, PagedLayer(members))
+    def __init__(self, members: Sequence[AttentionCache], layer: PagedLayer | None = None) -> None:
+        super().__init__(members, layer if layer is not None else PagedLayer(members))
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layer.get_mask_sizes(query_length)

@@ -60,8 +60,13 @@ class PagePool:
         return self.page_tokens * self.spec.bytes_per_token(self.keys.dtype)
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every per-token tensor of the pool, slot by slot (what a beam reorder moves)."""
+        return (self.keys, self.values)
+
+    @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(tensor.nbytes for tensor in self.tensors)
 
     @property
     def unit(self) -> str:

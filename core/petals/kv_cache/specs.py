@@ -139,6 +139,25 @@ class ChunkedAttentionSpec(SlidingWindowSpec):
 
 
 @dataclass(frozen=True)
+class IndexedAttentionSpec(FullAttentionSpec):
+    """Full attention beside a sparse-attention indexer (transformers' ``indexed_attention`` layers): the
+    keys and values of every token, and one indexer key of ``index_dim`` values per token, which the
+    layer's indexer scores to pick the tokens each query attends (``cache.update_indexer``). Both are
+    kept in the same pages, so they grow, rewind and reorder together."""
+
+    index_dim: int
+    kind: ClassVar[str] = "indexed_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.index_dim <= 0:
+            raise ValueError(f"invalid cache spec {self}: the indexer keys need a width")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return super().bytes_per_token(dtype) + self.index_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
 class LinearAttentionSpec(CacheSpec):
     """A fixed-size state per sequence, whatever its length (gated delta net, Mamba-like layers, short
     convolutions): the last ``conv_kernel`` inputs of a ``conv_dim``-channel causal convolution, kept in
