@@ -7,10 +7,11 @@ files with a text-only prompt. Each wrapper switches on what its text model adds
   in the older ``language_model.model.`` layout;
 * qwen3_5 / qwen3_5_moe (text qwen3_5_text / qwen3_5_moe_text): gated delta net and full attention
   layers under ``model.language_model.``, experts stored one by one and fused as blocks load;
-* mistral3 (text mistral): a head that only the wrapper's config ties.
-
-llama4 has no test here: transformers' own ``Llama4ForConditionalGeneration`` fails on a tiny config, so
-its reference would not run (``test_wrappers`` checks its blocks and names).
+* mistral3 (text mistral): a head that only the wrapper's config ties;
+* llama4 (text llama4_text): chunked attention and experts every other layer. Its reference is the text
+  causal LM inside transformers' wrapper (with the wrapper's weights), because
+  ``Llama4ForConditionalGeneration`` itself fails on a text-only prompt in transformers 5.24
+  (``MoeCausalLMOutputWithPast`` has no ``image_outputs``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from conftest import LOOPBACK_CLIENT, save_random_wrapper
 from petals.testing.swarm import running_swarm
 
 PROMPT = 6
-NEW_TOKENS = 10  # past gemma3's sliding window
+NEW_TOKENS = 10  # past gemma3's sliding window and llama4's attention chunk
+# what of transformers' wrapper model generates the reference (the whole wrapper unless named)
+REFERENCE_MODULES = {"llama4": "language_model"}
 
 
 def remembering(model: torch.nn.Module) -> None:
@@ -39,7 +42,7 @@ def remembering(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper_type", ["gemma3", "qwen3_5", "qwen3_5_moe", "mistral3"])
+@pytest.mark.parametrize("wrapper_type", ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "mistral3"])
 def test_greedy_tokens_equal_transformers_wrapper(wrapper_type, tmp_path):
     path = save_random_wrapper(wrapper_type, tmp_path / wrapper_type, adjust=remembering)
     ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
@@ -50,7 +53,8 @@ def test_greedy_tokens_equal_transformers_wrapper(wrapper_type, tmp_path):
         output_logits=True,
         return_dict_in_generate=True,
     )
-    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    wrapper = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    reference = wrapper.get_submodule(REFERENCE_MODULES.get(wrapper_type, ""))
     expected = reference.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
 
     with running_swarm(path, "0:2", "2:4") as (dht, _):
