@@ -1,7 +1,7 @@
 """A multimodal wrapper checkpoint (``model_type`` gemma3, qwen3_5, qwen3_5_moe, mistral3, llama4) is served
 as the text model it wraps: its config resolves to the text model's plugin, its language-model tensors
-load under the text model's names, the wrapper decides whether the head is tied, and the vision tower is
-never read. A text type without a plugin is refused in one line."""
+load under the text model's names, the wrapper decides whether the head is tied and how the weights are
+quantized, and the vision tower is never read. A text type without a plugin is refused in one line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, Gemma3Config
 
 import petals
@@ -114,6 +115,35 @@ def test_the_client_ties_a_tied_wrappers_head_and_reads_no_vision_tensor(tmp_pat
         load_block(path, index)
     assert reads and not any(key.startswith(VISION_PREFIXES) for key in reads)
     assert {key for key in reads if key.startswith("language_model.model.layers.")}  # the blocks' own names
+
+
+def test_a_quantized_wrappers_blocks_are_dequantized_by_its_quantization_config(tiny_wrapper_path, tmp_path):
+    """fp8 with one scale a tensor, the format named at the top of the wrapper's config.json, as a
+    quantizer writes it, and not in its text_config."""
+    source = tiny_wrapper_path("mistral3")
+    layer = "language_model.model.layers.0."
+    stored, expected = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        stored[name] = tensor
+        if name.startswith(layer) and tensor.ndim == 2:
+            scale_inv = tensor.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+            stored[name] = (tensor / scale_inv).to(torch.float8_e4m3fn)
+            stored[f"{name}_scale_inv"] = scale_inv
+        if name.startswith(layer):
+            expected[name.removeprefix(layer)] = stored[name].to(torch.float32) * stored.get(
+                f"{name}_scale_inv", torch.tensor(1.0)
+            )
+    path = tmp_path / "fp8-wrapper"
+    path.mkdir()
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": None}
+    (path / "config.json").write_text(json.dumps(config))
+
+    assert AutoDistributedConfig.from_pretrained(path).quantization_config["quant_method"] == "fp8"
+    loaded = load_block(path, 0, torch.float32).state_dict()
+    assert sorted(loaded) == sorted(expected)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
 
 
 def test_a_text_type_without_a_plugin_is_refused_in_one_line(tiny_wrapper_path):
