@@ -9,10 +9,10 @@ names of the text causal LM, so that loading by ``block_prefix`` (servers) and b
 (clients) finds them. Vision towers and projectors get no names there, so they are never read.
 
 Taken from transformers: the wrapper model class (the checkpoint's ``architectures``, else the
-image-text-to-text auto mapping), where the wrapper and the text causal LM keep the text model's decoder (the auto
-mapping's base model class of the text config) and head (``get_output_embeddings``), both found on
-meta-device instances, and the renamings of the
-checkpoint's own layout into the wrapper's modules (``get_model_conversion_mapping``).
+image-text-to-text auto mapping); where the wrapper and the text causal LM keep the text decoder (the
+auto mapping's base model class for the text config) and the head (``get_output_embeddings``), both
+found on meta-device instances; and the renamings of the checkpoint's own layout into the wrapper's
+modules (``get_model_conversion_mapping``).
 """
 
 from __future__ import annotations
