@@ -13,10 +13,16 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     BloomConfig,
     FalconConfig,
+    Gemma3Config,
+    Llama4Config,
     LlamaConfig,
+    Mistral3Config,
     MixtralConfig,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
     StoppingCriteria,
 )
 
@@ -167,16 +173,113 @@ def save_tiny_model(variant: str, path: Path, seed: int = 0) -> Path:
 
 
 def save_random_model(
-    config, path: Path, seed: int = 0, adjust: Callable[[torch.nn.Module], None] | None = None
+    config,
+    path: Path,
+    seed: int = 0,
+    adjust: Callable[[torch.nn.Module], None] | None = None,
+    auto_class: type = AutoModelForCausalLM,
 ) -> Path:
-    """A random float32 causal LM of ``config``, saved in the Hugging Face layout at ``path``; ``adjust``
-    changes its weights first (one that transformers draws at random, say, to a value a test needs)."""
+    """A random float32 causal LM of ``config`` (or another ``auto_class`` model), saved in the Hugging Face
+    layout at ``path``; ``adjust`` changes its weights first (one that transformers draws at random, say,
+    to a value a test needs)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class.from_config(config, dtype=torch.float32)
     if adjust is not None:
         adjust(model)
     model.save_pretrained(path)
     return path
+
+
+# multimodal wrappers (config.json's model_type is the wrapper's, the text model's under text_config) with
+# tiny text models of types that plugins serve and tiny vision towers that nothing serves
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+TINY_QWEN3_5_TEXT = dict(
+    TINY_TEXT,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+TINY_QWEN3_5_VISION = dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2, out_hidden_size=64)
+TINY_WRAPPERS = {
+    "gemma3": Gemma3Config(  # ties its head to the embeddings: the checkpoint has no lm_head
+        text_config=dict(
+            TINY_TEXT, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2
+        ),
+        vision_config=dict(TINY_VISION, image_size=28, patch_size=14),
+        mm_tokens_per_image=4,
+    ),
+    "qwen3_5": Qwen3_5Config(text_config=TINY_QWEN3_5_TEXT, vision_config=TINY_QWEN3_5_VISION),
+    "qwen3_5_moe": Qwen3_5MoeConfig(
+        text_config=dict(
+            TINY_QWEN3_5_TEXT,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        vision_config=TINY_QWEN3_5_VISION,
+    ),
+    "mistral3": Mistral3Config(  # the wrapper ties the head, its text_config does not
+        text_config=dict(TINY_TEXT, model_type="mistral"),
+        vision_config=dict(TINY_VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
+    ),
+    "llama4": Llama4Config(
+        text_config=dict(
+            TINY_TEXT,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=96,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+        ),
+        vision_config=dict(
+            TINY_VISION,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=64,
+        ),
+    ),
+}
+
+
+def save_random_wrapper(
+    variant: str, path: Path, seed: int = 0, adjust: Callable[[torch.nn.Module], None] | None = None
+) -> Path:
+    """A random float32 multimodal wrapper of ``TINY_WRAPPERS``, vision tower included, saved as
+    transformers saves it (its checkpoint layout, e.g. ``language_model.model.layers.N.``)."""
+    config = copy.deepcopy(TINY_WRAPPERS[variant])
+    return save_random_model(config, path, seed, adjust, auto_class=AutoModelForImageTextToText)
+
+
+@pytest.fixture(scope="session")
+def tiny_wrapper_path(tmp_path_factory):
+    """``tiny_wrapper_path("gemma3")`` → a directory with a tiny random wrapper of that type."""
+    cache: dict[str, Path] = {}
+
+    def build(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = save_random_wrapper(
+                variant, tmp_path_factory.mktemp(variant) / f"tiny-{variant}"
+            )
+        return cache[variant]
+
+    return build
 
 
 @pytest.fixture(scope="session")

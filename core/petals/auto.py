@@ -10,18 +10,26 @@ from transformers import PretrainedConfig
 from petals.plugins import get_plugin_manager
 
 
-def read_model_type(model_name_or_path: str | os.PathLike, **kwargs: Any) -> str:
-    """The ``model_type`` in a checkpoint's ``config.json`` (local directory or HF cache/hub), or in a
-    GGUF file's metadata as transformers reads it."""
+def read_config_dict(model_name_or_path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
+    """A checkpoint's ``config.json`` (local directory or HF cache/hub), or a GGUF file's metadata as
+    transformers reads it."""
     from petals.gguf_checkpoint import gguf_config_dict, gguf_file
 
     gguf = gguf_file(model_name_or_path)
     if gguf is not None:
-        return gguf_config_dict(gguf)["model_type"]
+        return gguf_config_dict(gguf)
     config_dict, _ = PretrainedConfig.get_config_dict(model_name_or_path, **kwargs)
     if "model_type" not in config_dict:
         raise ValueError(f"{model_name_or_path}: config.json has no model_type")
-    return config_dict["model_type"]
+    return config_dict
+
+
+def read_model_type(model_name_or_path: str | os.PathLike, **kwargs: Any) -> str:
+    """The ``model_type`` a checkpoint is served as: its config's, or the text model's that a
+    multimodal wrapper holds when a plugin serves that one (``petals.wrappers``)."""
+    from petals.wrappers import served_model_type
+
+    return served_model_type(read_config_dict(model_name_or_path, **kwargs), get_plugin_manager())
 
 
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only")

@@ -135,6 +135,17 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
         validate_dht_prefix(config.dht_prefix)
         return config
 
+    @classmethod
+    def get_config_dict(
+        cls, model_name_or_path: str | os.PathLike, **kwargs: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """transformers' reading of ``config.json``, except that a multimodal wrapper of this config's
+        model type gives the text model's config (``petals.wrappers.text_config_dict``)."""
+        from petals.wrappers import text_config_dict
+
+        config_dict, kwargs = super().get_config_dict(model_name_or_path, **kwargs)
+        return text_config_dict(config_dict, cls.model_type) or config_dict, kwargs
+
 
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
 

@@ -1,7 +1,8 @@
 """Load one block's weights from a Hugging Face-layout checkpoint, reading nothing else.
 
 Checkpoints are found in a local directory or in the Hugging Face cache (a hub download when the
-hub is reachable); a GGUF file, or a folder holding one, is read by ``petals.gguf_checkpoint``.
+hub is reachable); a GGUF file, or a folder holding one, is read by ``petals.gguf_checkpoint``, and
+a multimodal wrapper's checkpoint is read as its text model's by ``petals.wrappers``.
 A sharded checkpoint (``model.safetensors.index.json``) is read only from the shards holding the
 block; tensors are read one by one with ``safetensors``. Pickle checkpoints (``pytorch_model.bin``)
 are refused: nothing is ever unpickled.
@@ -15,7 +16,7 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from petals.disk_cache import cache_lock, make_room, mark_used
 
 logger = logging.getLogger(__name__)
 
+CONFIG = "config.json"
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_FILES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
@@ -70,27 +72,32 @@ class Checkpoint:
         max_disk_space: int | None = None,
     ) -> Checkpoint:
         from petals.gguf_checkpoint import GGUFCheckpoint, gguf_file
+        from petals.wrappers import text_part
 
         gguf = gguf_file(model_name_or_path)
         if gguf is not None:
             return GGUFCheckpoint.open_file(gguf)
-        source = str(model_name_or_path)
         hub_kwargs = {"cache_dir": cache_dir, "revision": revision, "token": token}
-        checkpoint = cls(source, {}, hub_kwargs, max_disk_space)
-        index = checkpoint._fetch(SAFE_INDEX)
+        checkpoint = cls(str(model_name_or_path), {}, hub_kwargs, max_disk_space)
+        stored = checkpoint._with_weight_map()
+        config = checkpoint._fetch(CONFIG)
+        return stored if config is None else text_part(stored, json.loads(config.read_text()))
+
+    def _with_weight_map(self) -> Checkpoint:
+        """This checkpoint with the weight map of its safetensors files."""
+        index = self._fetch(SAFE_INDEX)
         if index is not None:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return cls(source, weight_map, hub_kwargs, max_disk_space)
-        single = checkpoint._fetch(SAFE_SINGLE)
+            return replace(self, weight_map=json.loads(index.read_text())["weight_map"])
+        single = self._fetch(SAFE_SINGLE)
         if single is not None:
             with safe_open(single, framework="pt") as file:
-                return cls(source, dict.fromkeys(file.keys(), SAFE_SINGLE), hub_kwargs, max_disk_space)
-        if any(checkpoint._fetch(name) is not None for name in PICKLE_FILES):
+                return replace(self, weight_map=dict.fromkeys(file.keys(), SAFE_SINGLE))
+        if any(self._fetch(name) is not None for name in PICKLE_FILES):
             raise CheckpointError(
-                f"{source} has only pickle weights (pytorch_model.bin); petals loads safetensors only, "
+                f"{self.source} has only pickle weights (pytorch_model.bin); petals loads safetensors only, "
                 "because unpickling can run arbitrary code. Convert it with save_pretrained(safe_serialization=True)."
             )
-        raise CheckpointError(f"{source}: found neither {SAFE_INDEX} nor {SAFE_SINGLE}")
+        raise CheckpointError(f"{self.source}: found neither {SAFE_INDEX} nor {SAFE_SINGLE}")
 
     def _fetch(self, filename: str) -> Path | None:
         """The local path of one checkpoint file, or None if the checkpoint has no such file."""
