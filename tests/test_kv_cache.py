@@ -100,6 +100,14 @@ def test_a_kind_without_a_manager_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
+def test_a_served_kind_core_cannot_size_asks_the_plugin_for_its_spec():
+    with pytest.raises(
+        UnservedCacheKindError, match="^block 3 is an indexed attention layer, whose"
+    ) as error:
+        open_cache(UnservedSpec("indexed_attention"), 1, 8, layer_index=3)
+    assert "cache_spec hook" in str(error.value) and "cannot cache yet" not in str(error.value)
+
+
 # Qwen3-Next: three gated delta net (linear attention) layers, then full attention
 HYBRID = Qwen3NextConfig(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,

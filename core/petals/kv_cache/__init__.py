@@ -96,8 +96,15 @@ def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache
     manager = MANAGERS.get(type(spec))
     if manager is None:
         served = ", ".join(sorted({kind.kind.replace("_", " ") for kind in MANAGERS}))
+        article = "an" if spec.describe()[:1] in "aeiou" else "a"
+        if spec.kind == "unserved" and spec.describe() in served.split(", "):
+            raise UnservedCacheKindError(
+                f"{block} is {article} {spec.describe()} layer, whose sizes core cannot read from its config: "
+                "petals-core serves this kind where the model type's plugin returns its spec from the "
+                "cache_spec hook, and this plugin returns none"
+            )
         raise UnservedCacheKindError(
-            f"{block} is a {spec.describe()} layer, which petals-core cannot cache yet (it serves {served}); "
+            f"{block} is {article} {spec.describe()} layer, which petals-core cannot cache yet (it serves {served}); "
             "serve other blocks, or a plugin may return a served kind from its cache_spec hook"
         )
     return manager
