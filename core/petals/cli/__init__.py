@@ -50,11 +50,23 @@ def main() -> None:
 
 @main.command("plugins")
 @click.option("--hooks", is_flag=True, help="Also list the hooks each plugin implements.")
-def plugins_command(hooks: bool) -> None:
+@click.option(
+    "--families",
+    "list_families",
+    is_flag=True,
+    help="List transformers' causal-LM model types instead: served by which plugin, with which cache kinds, "
+    "or why not.",
+)
+def plugins_command(hooks: bool, list_families: bool) -> None:
     """List installed model-family plugins, their versions and model types."""
     from petals.plugins import get_plugin_manager
 
     manager = get_plugin_manager()
+    if list_families:
+        from petals.families_report import family_rows, format_rows
+
+        click.echo(format_rows(family_rows(manager)))
+        return
     families = manager.model_families()
     names = manager.plugin_names()
     if not names:
