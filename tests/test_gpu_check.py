@@ -39,6 +39,12 @@ def test_smoke_mode_runs_every_section_and_leaves_no_process(tmp_path):
     assert not [name for name, section in sections.items() if "error" in section or "skipped" in section]
     correctness = sections["correctness"]
     assert correctness["passed"] and correctness["families"]["llama float32"]["tokens_equal"]
+    # a linear-attention state and the indexed latent cache, served by a worker's in-process servers
+    assert correctness["models"]["qwen3_5_text"]["cache_kinds"] == ["linear attention", "full attention"]
+    assert correctness["models"]["glm_moe_dsa"]["cache_kinds"] == ["indexed attention"]
+    assert all(
+        correctness["families"][f"{name} float32"]["passed"] for name in ("qwen3_5_text", "glm_moe_dsa")
+    )
     assert correctness["tensor_parallel"]["tokens_equal_to_one_shard"]
     assert sections["prefill"]["ratio"] > 0 and sections["concurrency"]["ratio_1"] > 0
     assert sections["profile"]["paged_read"]["calls_per_step"] > 0  # the gather was seen in the server
