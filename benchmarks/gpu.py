@@ -42,6 +42,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import re
 import shlex
 import signal
@@ -167,16 +168,32 @@ TINY = Sizes(
     profile_rounds=1,
 )
 SECTIONS = ("correctness", "latency", "concurrency", "prefill", "memory", "profile", "hops")
-# seconds a section needs at least (full sizes): a section is skipped when less of the budget is left
-NEEDS = {
-    "correctness": 60,
-    "latency": 40,
-    "concurrency": 60,
-    "prefill": 15,
-    "memory": 5,
-    "profile": 25,
-    "hops": 60,
-}
+# seconds each section takes; one is skipped when less of the budget is left. Full sizes, one GPU: the
+# H200 run (benchmarks/results/gpu_nvidia_h200.json) where it measured them (latency 70 s; concurrency's
+# 32 clients took 40 s to start), the former floors elsewhere. Tiny sizes: --smoke on 2 CPU cores
+# (latency and hops, not in it: a quarter of full).
+SECONDS = {"latency": 70, "concurrency": 90, "prefill": 15, "memory": 5, "profile": 25, "hops": 60}
+TINY_SECONDS = {"latency": 18, "concurrency": 9, "prefill": 1, "memory": 1, "profile": 2, "hops": 15}
+# a family worker (benchmarks.gpu_families) as 40 model types in float32 on 2 CPU cores ran it: its
+# start (imports, models saved), each in-process server loading and joining (8 at a time), each check
+# of 24 new tokens, and stopping; tiny sizes: --smoke's worker. The petals serve servers of the
+# quantization and tensor-parallel checks start meanwhile (the H200 run: 23 ready in 29 s)
+WORKER_SECONDS = {"start": 10.0, "server": 1.0, "check": 1.5, "stop": 10.0}
+TINY_WORKER_SECONDS = {"start": 4.0, "server": 0.5, "check": 0.4, "stop": 8.0}
+SERVE_SECONDS, TINY_SERVE_SECONDS = 35.0, 10.0
+
+
+def estimate(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds each of ``args.only``'s sections should take, from the timings above."""
+    seconds = dict(TINY_SECONDS if args.tiny else SECONDS)
+    worker = TINY_WORKER_SECONDS if args.tiny else WORKER_SECONDS
+    models = math.ceil(len(args.families) / args.workers)  # in the busiest worker
+    checks = models * len(args.dtypes)
+    families = worker["start"] + 2 * checks * worker["server"] + checks * worker["check"] + worker["stop"]
+    seconds["correctness"] = max(families, TINY_SERVE_SECONDS if args.tiny else SERVE_SECONDS)
+    return {name: round(seconds[name]) for name in args.only}
+
+
 STARTED = time.monotonic()
 
 
@@ -960,6 +977,7 @@ class GpuCheck:
         self.servers = 1 if args.tiny else 2  # per model (tiny: fewer processes to start)
         self.families = args.families
         self.workers = args.workers
+        self.estimate = estimate(args)
         self.dtypes = args.dtypes
         self.quant_types = tuple(args.quant_types)
         self.tensor_parallel = not args.no_tensor_parallel
@@ -985,6 +1003,7 @@ class GpuCheck:
                 "model": self.ctx.config.to_diff_dict(),
                 "model_dtype": str(dtype),
                 "budget_seconds": args.budget,
+                "estimated_seconds": self.estimate,
             },
             "goals": {"latency": GOALS["latency"], "sessions": GOALS["sessions"]},
             "sections": {},
@@ -1002,7 +1021,7 @@ class GpuCheck:
 
     def run(self, name: str, section: Callable[[GpuCheck], dict[str, Any]]) -> None:
         left = self.deadline - time.monotonic()
-        need = NEEDS[name] / (4 if self.tiny else 1)
+        need = self.estimate[name]
         if left < need:
             self.record["sections"][name] = {
                 "skipped": f"{left:.0f} s of the budget left, {need:.0f} s needed"
@@ -1020,6 +1039,11 @@ class GpuCheck:
             self.record["sections"][name] = result
             log(f"== {name} done in {result['seconds']} s")
         self.write()
+
+
+def estimate_line(seconds: dict[str, float], budget: float) -> str:
+    sections = ", ".join(f"{name} {value} s" for name, value in seconds.items())
+    return f"estimated: {sections}; {sum(seconds.values())} s in all, of a {budget:.0f} s budget"
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -1198,6 +1222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--quant_types", nargs="*", default=None, choices=["nf4", "int8"])
     parser.add_argument("--no_tensor_parallel", action="store_true")
+    parser.add_argument("--estimate", action="store_true", help="print the sections' estimated time and stop")
     parser.add_argument("--workdir", type=Path, default=None, help="where its temporary folder goes")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
@@ -1218,7 +1243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.quant_types if args.quant_types is not None else (["nf4", "int8"] if on_cuda else [])
     )
     args.only = args.only or list(SECTIONS)
-    if args.json is None:
+    if args.json is None and not args.estimate:
         name = torch.cuda.get_device_name() if on_cuda else "cpu"
         args.json = RESULTS_DIR / f"gpu_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.json"
     return args
@@ -1226,6 +1251,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.estimate:
+        print(estimate_line(estimate(args), args.budget))
+        return 0
     # the time guard: past the budget (and 30 s of grace for the section running), interrupt it with a
     # SIGINT to the main thread itself, which also ends a blocking read there (KeyboardInterrupt)
     guard = threading.Timer(
@@ -1236,6 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="petals-gpu-", dir=args.workdir) as workdir:
         check = GpuCheck(args, Path(workdir))
         log(f"device {check.device}: {check.record['machine'].get('gpu', 'no GPU')}; writing {args.json}")
+        log(estimate_line(check.estimate, args.budget))
         try:
             for name in args.only:
                 check.run(name, SECTION_FUNCTIONS[name])
