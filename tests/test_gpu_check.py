@@ -55,3 +55,16 @@ def test_smoke_mode_runs_every_section_and_leaves_no_process(tmp_path):
         if any(str(tmp_path) in part for part in process.info["cmdline"] or [])
     ]
     assert not leftovers
+
+
+def test_the_device_wheels_hold_the_plugin_of_every_model_type_the_check_serves():
+    from benchmarks.gpu_device import own_distributions
+    from benchmarks.tiny_families import CONFIGS
+    from petals.plugins import get_plugin_manager
+
+    distributions = own_distributions()
+    assert all((ROOT / name / "pyproject.toml").is_file() for name in distributions)
+    packed = {name.rsplit("/", 1)[-1] for name in distributions}
+    families = get_plugin_manager().model_families()
+    plugins = {families[name].config_class.__module__.split(".")[0] for name in CONFIGS if name in families}
+    assert plugins <= packed
