@@ -468,7 +468,7 @@ class FamilyWorker:
     part: Path
 
 
-def family_workers(check: GpuCheck, peers: list[str], names: list[str], root: Path) -> list[FamilyWorker]:
+def family_workers(check: GpuCheck, names: list[str], root: Path) -> list[FamilyWorker]:
     """``benchmarks.gpu_families`` processes, ``check.workers`` at most, each serving and checking a share
     of ``names`` (all dtypes of a model in one worker); their records go to ``root/part-N.json``."""
     from petals.testing.swarm import SwarmProcess
@@ -476,7 +476,7 @@ def family_workers(check: GpuCheck, peers: list[str], names: list[str], root: Pa
     groups = [names[index :: check.workers] for index in range(min(check.workers, len(names)))]
     workers = []
     for index, group in enumerate(groups):
-        args = ["benchmarks.gpu_families", "--initial_peers", *peers, "--device", str(check.device)]
+        args = ["benchmarks.gpu_families", "--device", str(check.device)]
         args += ["--dtypes", *check.dtypes, "--prompt", str(check.sizes.family_prompt)]
         args += ["--tokens", str(check.sizes.family_tokens), "--json", str(root / f"part-{index}.json")]
         args += ["--workdir", str(root / "models"), "--outputs", str(root / "outputs"), *group]
@@ -551,7 +551,7 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
     }
     with contextlib.ExitStack() as stack:
         dht = stack.enter_context(start_dht())
-        workers = family_workers(check, dht.initial_peers, names, root)
+        workers = family_workers(check, names, root)
         for worker in workers:
             stack.enter_context(worker.process)
         log(f"{len(names)} models x {len(check.dtypes)} dtypes in {len(workers)} worker processes")

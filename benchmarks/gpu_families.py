@@ -1,11 +1,11 @@
 """One worker of the GPU check's family correctness (``benchmarks.gpu``'s correctness section).
 
-    python -m benchmarks.gpu_families --initial_peers MADDR --device cuda --dtypes float16 bfloat16 \\
-        --json PART.json --workdir DIR MODEL_TYPE ...
+    python -m benchmarks.gpu_families --device cuda --dtypes float16 bfloat16 --json PART.json \\
+        --workdir DIR MODEL_TYPE ...
 
 For each model type (a tiny random model of ``benchmarks.tiny_families``, or ``smollm2``: the demo's
-model), two servers per dtype (blocks 0:2 and 2:4, each with its own p2p daemon) join
-``--initial_peers`` as in-process peers of this process (``petals.testing.inprocess``): one Python
+model), two servers per dtype (blocks 0:2 and 2:4, each with its own p2p daemon) join a ``petals dht``
+of this worker's as in-process peers of this process (``petals.testing.inprocess``): one Python
 start, one torch import and one CUDA context serve many families, where a ``petals serve`` per
 server would start 160 processes. Then each model's greedy tokens and per-step logits go through its two servers against
 transformers on the same device in the same dtype (``benchmarks.gpu.greedy_and_steps`` and ``judge``).
@@ -50,12 +50,12 @@ WAVE = 8  # servers loading and joining at once: more, and their DHT pings time 
 def prepare(name: str, workdir: Path) -> tuple[Path, dict[str, Any]]:
     """The model folder of ``name`` and what the report says of it (its cache kinds, what it switches on)."""
     if name == REAL_MODEL:
-        from transformers import AutoConfig
-
+        from petals import AutoDistributedConfig
         from petals.demo_model import prepare_demo_model
 
-        path = prepare_demo_model()
-        return path, {"cache_kinds": cache_kinds(AutoConfig.from_pretrained(path)), "model": "SmolLM2-135M"}
+        path = prepare_demo_model()  # a GGUF file, whose config transformers alone does not read
+        config = AutoDistributedConfig.from_pretrained(path)
+        return path, {"cache_kinds": cache_kinds(config), "model": "SmolLM2-135M-Instruct"}
     config = tiny_config(name)
     save_random(config, workdir / name, torch.float32, torch.device("cpu"))
     return workdir / name, {"cache_kinds": cache_kinds(config), "switched_on": CONFIGS[name][2]}
@@ -66,28 +66,43 @@ def serving(
     peers: list[str], launches: dict[str, tuple[Path, tuple[tuple[str, ...], ...]]]
 ) -> Iterator[dict[str, str]]:
     """An in-process server per launch's argument list (dht prefix -> model, arguments of each server),
-    joining ``peers``, loading ``WAVE`` at a time. Yields the prefixes whose servers failed, with why."""
+    joining ``peers``, loading ``WAVE`` at a time; one that fails to start gets a second try (a join
+    can time out on a busy machine). Yields the prefixes whose servers failed, with why."""
     from petals.testing.inprocess import InProcessServer
 
-    with contextlib.ExitStack() as stack:
-        failed: dict[str, str] = {}
-        started = []
-        for prefix, (path, servers_args) in launches.items():
-            for args in servers_args:
-                started.append(
-                    (prefix, InProcessServer(path, peers, "--dht_prefix", prefix, "--throughput", "1", *args))
-                )
-        stack.callback(_stop_all, [server for _, server in started])
-        for wave in range(0, len(started), WAVE):
-            for _, server in started[wave : wave + WAVE]:
-                server.start(wait=False)
-            for prefix, server in started[wave : wave + WAVE]:
-                try:
-                    server.wait_ready()
-                except RuntimeError as error:
-                    failed[prefix] = _one_line(error.__cause__ or error)
-        log(f"{len(started)} in-process servers started; the servers of {len(failed)} models failed")
+    servers: list[InProcessServer] = []  # every one made, stopped on exit
+    failed: dict[str, str] = {}
+
+    def start(launch: list[tuple[str, Path, tuple[str, ...]]]) -> list[tuple[str, Path, tuple[str, ...]]]:
+        """Start ``launch``'s servers together; those that did not become ready, to retry."""
+        made = []
+        for prefix, path, args in launch:
+            try:
+                server = InProcessServer(path, peers, "--dht_prefix", prefix, "--throughput", "1", *args)
+                servers.append(server.start(wait=False))
+                made.append(((prefix, path, args), server))
+            except Exception as error:  # its settings refused
+                failed[prefix] = _one_line(error)
+        again = []
+        for item, server in made:
+            try:
+                server.wait_ready()
+            except RuntimeError as error:
+                failed[item[0]] = _one_line(error.__cause__ or error)
+                again.append(item)
+        return again
+
+    todo = [(prefix, path, args) for prefix, (path, arguments) in launches.items() for args in arguments]
+    try:
+        again = [item for wave in range(0, len(todo), WAVE) for item in start(todo[wave : wave + WAVE])]
+        for prefix, _, _ in again:
+            failed.pop(prefix, None)
+        for wave in range(0, len(again), WAVE):
+            start(again[wave : wave + WAVE])
+        log(f"{len(todo)} in-process servers started ({len(again)} twice); {len(failed)} models' failed")
         yield failed
+    finally:
+        _stop_all(servers)
 
 
 def _stop_all(servers: list) -> None:
@@ -129,8 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, path in paths.items()
         for dtype in args.dtypes
     }
-    with serving(args.initial_peers, launches) as failed:
-        clients = Clients(args.initial_peers, device)
+    from petals.testing.swarm import start_dht
+
+    # a bootstrap peer of its own: the servers of 4 workers joining one (on 2 cores) timed out on its pings
+    with start_dht() as dht, serving(dht.initial_peers, launches) as failed:
+        clients = Clients(dht.initial_peers, device)
         try:
             for name, path in paths.items():
                 for dtype_name in args.dtypes:
@@ -171,7 +189,6 @@ def _num_blocks(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="+", choices=[*CONFIGS, REAL_MODEL], metavar="MODEL_TYPE")
-    parser.add_argument("--initial_peers", nargs="+", required=True, help="a bootstrap peer's multiaddrs")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--dtypes", nargs="+", default=["float32"], choices=["float16", "bfloat16", "float32"]
