@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import re
@@ -582,6 +583,12 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
                 record = {"passed": False, "error": _one_line(error)}
             results["tensor_parallel"] = record
             log(f"tensor parallel: {_brief(record)}")
+    order = {
+        f"{name} {dtype}": index for index, (name, dtype) in enumerate(itertools.product(names, check.dtypes))
+    }
+    results["families"] = dict(
+        sorted(results["families"].items(), key=lambda item: order.get(item[0], len(order)))
+    )
     records = [*results["families"].values(), *results["quantization"].values()]
     records += [results["tensor_parallel"]] if results["tensor_parallel"] else []
     results["passed"] = all(record.get("passed") or record.get("refused") for record in records)
@@ -1086,7 +1093,11 @@ def table(record: dict[str, Any]) -> list[str]:
     for key, record_ in correct.get("families", {}).items():
         model = key.rsplit(" ", 1)[0]
         if f"{model}: caches" not in {row[0] for row in rows} and model in correct.get("models", {}):
-            rows.append((f"{model}: caches", ", ".join(correct["models"][model]["cache_kinds"]), ""))
+            about = correct["models"][model]
+            what = about.get("switched_on") or about.get("model")
+            rows.append(
+                (f"{model}: caches", ", ".join(about["cache_kinds"]) + (f" ({what})" if what else ""), "")
+            )
         detail = (
             "error: " + record_["error"]
             if "error" in record_

@@ -94,7 +94,7 @@ CONFIGS: dict[str, tuple[str, dict, str]] = {
             alibi=False,
             bias=False,
         ),
-        "the new decoder architecture (parallel attention and MLP)",
+        "the new decoder architecture: attention and MLP in parallel",
     ),
     "falcon_h1": (
         "FalconH1Config",
@@ -143,7 +143,7 @@ CONFIGS: dict[str, tuple[str, dict, str]] = {
         ),
         "yarn rope and a growing query scale",
     ),
-    "qwen2": ("Qwen2Config", TINY, "the example plugin (plugins/petals_qwen2)"),
+    "qwen2": ("Qwen2Config", TINY, "the example plugin, plugins/petals_qwen2"),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         dict(
@@ -180,12 +180,12 @@ CONFIGS: dict[str, tuple[str, dict, str]] = {
     "deepseek_v2": (
         "DeepseekV2Config",
         dict(TINY, **LATENT, **ROUTED, n_group=2, topk_group=1, topk_method="group_limited_greedy"),
-        "the latent cache (multi-head latent attention), grouped experts",
+        "the latent cache of multi-head latent attention, grouped experts",
     ),
     "deepseek_v3": (
         "DeepseekV3Config",
         dict(TINY, **LATENT, **ROUTED, n_group=2, topk_group=1),
-        "the latent cache (multi-head latent attention), grouped experts",
+        "the latent cache of multi-head latent attention, grouped experts",
     ),
     "kimi_linear": (
         "KimiLinearConfig",
@@ -263,12 +263,12 @@ CONFIGS: dict[str, tuple[str, dict, str]] = {
             index_head_dim=16,
             index_n_heads=8,
         ),
-        "the indexed latent cache (a sparse-attention indexer keeps 4 tokens per query)",
+        "the indexed latent cache: a sparse-attention indexer keeps 4 tokens per query",
     ),
     "gpt_oss": (
         "GptOssConfig",
         dict(HEADS_OF_16, **LOCAL_EXPERTS, sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
-        "attention sinks (eager attention), sliding layers, experts",
+        "attention sinks, sliding layers, experts",
     ),
     "olmo2": ("Olmo2Config", TINY, "norms after attention and MLP"),
     "olmo3": ("Olmo3Config", dict(TINY, sliding_window=WINDOW, layer_types=MOSTLY_SLIDING), "sliding layers"),
