@@ -1225,7 +1225,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=None,
         choices=[*CONFIGS, REAL_MODEL],
-        help="model types (all: default)",
+        metavar="MODEL_TYPE",
+        help=f"model types of benchmarks.tiny_families, or {REAL_MODEL} (default: all)",
     )
     parser.add_argument(
         "--workers", type=int, default=None, help="processes serving the families (8 on a GPU, else 1)"

@@ -49,6 +49,8 @@ def test_smoke_mode_runs_every_section_and_leaves_no_process(tmp_path):
     assert sections["prefill"]["ratio"] > 0 and sections["concurrency"]["ratio_1"] > 0
     assert sections["profile"]["paged_read"]["calls_per_step"] > 0  # the gather was seen in the server
     assert record["table"] and record["table"][0] in run.stdout
+    estimated = record["settings"]["estimated_seconds"]  # printed first, so a session sees what to expect
+    assert list(estimated) == list(sections) and "estimated: correctness" in run.stdout
     leftovers = [
         process.pid
         for process in psutil.process_iter(["cmdline"])
