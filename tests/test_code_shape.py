@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import petals
+from petals.patches import parse_source
 
 MAX_FUNCTION_LINES = 60
 
@@ -14,7 +15,7 @@ def function_lengths(root: Path) -> dict[str, int]:
     """``path:line name`` → lines from ``def`` to the last line of the body (decorators not counted)."""
     lengths = {}
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(parse_source(path.read_text(), str(path))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 where = f"{path.relative_to(root)}:{node.lineno} {node.name}"
                 lengths[where] = node.end_lineno - node.lineno + 1

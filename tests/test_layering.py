@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import petals
+from petals.patches import parse_source
 
 PACKAGE_DIR = Path(petals.__file__).parent
 
@@ -24,7 +25,7 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
     """Every module an import statement anywhere in ``source`` names (``from a import b``: a and a.b)."""
     package = module if is_package else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_source(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

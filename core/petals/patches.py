@@ -82,6 +82,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -590,12 +591,29 @@ def _package_file(module: str, name: str = "__init__.py") -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / name
 
 
+def parse_source(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, tried again where CPython 3.11's ast turned another thread's parse into an error.
+
+    CPython before 3.11.8 keeps the depth of the AST it is building per interpreter, not per thread
+    (gh-106905): a parse that overlaps one in another thread (a server's patches checked while the
+    client's are) can fail with ``SystemError: AST constructor recursion depth mismatch`` although the
+    source is fine. The same source parsed again, once the other parse is done, gives the tree."""
+    for attempt in range(5):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as error:
+            if "recursion depth mismatch" not in str(error) or attempt == 4:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def _exports_shape(package: str) -> Callable[[], str | None]:
     """Whether the package's ``__init__`` imports exactly the names ``_HIVEMIND_EXPORTS`` exports, from
     the same modules."""
 
     def shape() -> str | None:
-        init = ast.parse(_package_file(package).read_text())
+        init = parse_source(_package_file(package).read_text())
         imports = {
             alias.asname or alias.name: node.module
             for node in init.body
@@ -768,7 +786,7 @@ def _dynamo_shape() -> str | None:
     submodule transformers imports on its own."""
     if not _package_file("torch._dynamo", "_trace_wrapped_higher_order_op.py").is_file():
         return "torch._dynamo has no _trace_wrapped_higher_order_op module"
-    tree = ast.parse(_package_file("torch._dynamo", "decorators.py").read_text())
+    tree = parse_source(_package_file("torch._dynamo", "decorators.py").read_text())
     found = {
         node.name: f"({ast.unparse(node.args)})"
         for node in tree.body
