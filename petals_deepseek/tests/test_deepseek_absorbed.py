@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from test_deepseek_conformance import CONFIGS
 from test_deepseek_latent import REAL_WIDTHS
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
@@ -140,6 +139,7 @@ def run_as_transformers(block):
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_lora_on_kv_b_proj_falls_back_to_transformers_and_elsewhere_absorbs(model_type):
+    peft = pytest.importorskip("peft", reason="adapters need petals-core[adapters] (peft)")
     config = CONFIGS[model_type]
     block = served_block(config)
     expected = run_as_transformers(block)
@@ -147,8 +147,8 @@ def test_lora_on_kv_b_proj_falls_back_to_transformers_and_elsewhere_absorbs(mode
     assert max((a - b).abs().max().item() for a, b in zip(run_steps(block), expected, strict=True)) <= 1e-5
 
     torch.manual_seed(2)
-    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["kv_b_proj"], init_lora_weights=False)
-    inject_adapter_in_model(lora, block, adapter_name="kv")
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["kv_b_proj"], init_lora_weights=False)
+    peft.inject_adapter_in_model(lora, block, adapter_name="kv")
     assert block.self_attn.absorbed_weights() is None
     with_lora = run_steps(block)
     assert all(torch.equal(a, b) for a, b in zip(with_lora, run_as_transformers(block), strict=True))
@@ -157,8 +157,8 @@ def test_lora_on_kv_b_proj_falls_back_to_transformers_and_elsewhere_absorbs(mode
     )  # the adapter acts
 
     other = served_block(config)
-    inject_adapter_in_model(
-        LoraConfig(r=2, target_modules=["q_b_proj"], init_lora_weights=False), other, adapter_name="q"
+    peft.inject_adapter_in_model(
+        peft.LoraConfig(r=2, target_modules=["q_b_proj"], init_lora_weights=False), other, adapter_name="q"
     )
     assert other.self_attn.absorbed_weights() is not None  # LoRA on the queries: still absorbed
 
