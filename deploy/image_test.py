@@ -471,7 +471,15 @@ def check_swarm(image: Image) -> None:
             dht = stack.enter_context(start_dht())
             host_blocks = ("--block_indices", f"0:{SPLIT}", "--torch_dtype", "float32")
             host = stack.enter_context(start_server(model, dht.initial_peers, *host_blocks, wait_ready=False))
-            served = stack.enter_context(start_image_server(image, root, model, volume, dht.initial_peers))
+            # the prepared folder links the GGUF file where pip put it, outside the image: the image's
+            # volume gets the folder as a user would copy it, the file itself in it
+            copied = Path(tempfile.mkdtemp(dir=WORK, prefix="image-model-"))
+            stack.callback(shutil.rmtree, copied, ignore_errors=True)
+            shutil.copytree(model, copied / model.name)  # symlinks=False: what they point to
+            subprocess.run(["chmod", "-R", "a+rX", str(copied)], check=True)
+            served = stack.enter_context(
+                start_image_server(image, root, copied / model.name, volume, dht.initial_peers)
+            )
             host.wait_for_log(READY_MESSAGE, timeout=300)
             say(f"  both servers ONLINE: host ...{host.peer_id[-8:]}, image ...{served.peer_id[-8:]}")
             check_generation(model, dht.initial_peers, {host.peer_id, served.peer_id})
