@@ -10,7 +10,7 @@ FAMILIES := petals_llama petals_bloom petals_falcon petals_mixtral petals_deepse
 	petals_cohere petals_exaone petals_ernie petals_dots petals_minimax petals_lfm
 EXAMPLE_PLUGINS := plugins/template plugins/petals_qwen2
 INSTALLED := $(VENV)/.installed
-EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate,gemma3-demo
+EXTRAS := quantization,adapters,tensor-parallel,api,monitor,simulate,gguf,gemma3-demo
 # the lower ends of the ranges (constraints-oldest.txt), in a virtual environment of their own
 OLDEST_VENV ?= .venv-oldest
 OLDEST_INSTALLED := $(OLDEST_VENV)/.installed
