@@ -558,16 +558,17 @@ def check_generation(model: Path, initial_peers: list[str], servers: set[str], c
     """The demo's question, greedy, through the swarm: token for token the model's answer in one process
     (``chat``: in the model's chat template, as the demo asks it)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from petals import AutoDistributedModelForCausalLM
     from petals.cli.demo import QUESTION
     from petals.cli.generate import encode
+    from petals.gguf_checkpoint import local_model
     from petals.network.client import LOOPBACK_CLIENT
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs = encode(tokenizer, QUESTION, chat=chat)
-    local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    local = local_model(model, dtype=torch.float32)  # the demo's folder holds a GGUF file
     expected = local.generate(**inputs, max_new_tokens=DEMO_MAX_NEW_TOKENS, do_sample=False)
     remote = AutoDistributedModelForCausalLM.from_pretrained(
         model, initial_peers=initial_peers, **LOOPBACK_CLIENT
