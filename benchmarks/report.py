@@ -17,8 +17,10 @@ UNITS = {"x": "{:.2f}x", "s": "{:.2f} s", "MiB": "{:.0f} MiB", "processes": "{:.
 
 
 def load(results_dir: Path) -> list[dict[str, Any]]:
+    """The suite's records; other JSON there (the GPU check's ``gpu_<device>.json``) has no ``item``."""
     records = [json.loads(path.read_text()) for path in results_dir.glob("*.json")]
-    return sorted(records, key=lambda record: (record["item"], record["benchmark"]))
+    suite = [record for record in records if "item" in record]
+    return sorted(suite, key=lambda record: (record["item"], record["benchmark"]))
 
 
 def formatted(value: float, unit: str) -> str:

@@ -191,3 +191,16 @@ def test_suite_cpu_charges_each_process_to_its_kind_and_test_file(tmp_path):
     assert 0 < attributed <= run["cpu_seconds"] + 0.5  # samples see less than the exact total, never more
     assert f"floor on {run['cores']} cores: {run['cpu_seconds'] / run['cores']:.1f} s" in report
     assert {process["test_file"] for process in run["processes"]} == {"", "tests/test_cli_dht.py"}
+
+
+def test_the_summary_renders_the_suites_results_beside_the_gpu_checks_json(tmp_path):
+    """``make bench`` ended in KeyError 'item' once benchmarks/results held gpu_nvidia_h200.json."""
+    from benchmarks import report
+    from benchmarks.harness import RESULTS_DIR
+
+    for name in ("gpu_nvidia_h200.json", "latency_tiny_llama.json"):
+        (tmp_path / name).write_text((RESULTS_DIR / name).read_text())
+    text = report.render(tmp_path)
+    assert [record["benchmark"] for record in report.load(tmp_path)] == ["latency_tiny_llama"]
+    assert "| (a) latency_tiny_llama:" in text, text
+    assert (tmp_path / "summary.md").is_file()
