@@ -309,6 +309,29 @@ def test_blocks_are_128_by_128_when_the_config_does_not_say():
     assert torch.equal(dequantized, dequantize_by_blocks(quantized, scale_inv, [128, 128]))
 
 
+@pytest.mark.parametrize("block_size", [[128, 128], [16, 24], None])
+def test_each_weight_is_rounded_once_to_the_serving_dtype(block_size):
+    """Dequantized by bands of rows in float32, then cast: the same as the whole weight at once."""
+    quantized, scale_inv = quantize_fp8(torch.randn(300, 200), block_size)
+    tensors = {"o_proj.weight": quantized, "o_proj.weight_scale_inv": scale_inv}
+    config = {"quant_method": "fp8", "weight_block_size": block_size}
+    dequantized = dequantize_fp8(tensors, config, torch.bfloat16)["o_proj.weight"]
+    expected = dequantize_by_blocks(quantized, scale_inv, block_size).to(torch.bfloat16)
+    assert dequantized.dtype == torch.bfloat16 and torch.equal(dequantized, expected)
+
+
+def test_autofp8_weight_scale_and_input_scale_are_refused_by_name():
+    tensors = {
+        "q_proj.weight": torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+        "q_proj.weight_scale": torch.ones(()),
+        "q_proj.input_scale": torch.ones(()),
+    }
+    with pytest.raises(
+        CheckpointFormatError, match="q_proj.weight .*AutoFP8's layout, which petals does not read"
+    ):
+        dequantize_fp8(tensors, {"quant_method": "fp8", "activation_scheme": "static"}, torch.float32)
+
+
 @pytest.mark.parametrize(
     ("weight_dtype", "scale_dtype"),
     [(torch.int8, torch.float32), (torch.float8_e4m3fn, torch.uint8)],  # FP4-packed experts, ue8m0 scales

@@ -49,6 +49,8 @@ def dequantize_fp8(
 
     Static activation scales are dropped: the dequantized weights compute in ``dtype``. Without a
     ``weight_block_size`` key the blocks are 128x128, as in transformers' ``FineGrainedFP8Config``.
+    Other FP8 layouts under ``quant_method: fp8`` (AutoFP8's ``weight_scale``/``input_scale``) are
+    refused: a float8 weight without a ``weight_scale_inv`` is never read as if unscaled.
     """
     block_size = quantization_config.get("weight_block_size", DEFAULT_FP8_BLOCK)
     plain = {
@@ -62,39 +64,61 @@ def dequantize_fp8(
             if weight_name not in tensors:
                 raise CheckpointFormatError(f"{name} has no weight {weight_name} to scale")
             plain[weight_name] = _dequantize_fp8_weight(
-                weight_name, tensors[weight_name], scale_inv, block_size
+                weight_name, tensors[weight_name], scale_inv, block_size, dtype
             )
-    unscaled = [name for name, tensor in plain.items() if tensor.dtype in FP8_DTYPES]
+    unscaled = sorted(name for name, tensor in plain.items() if tensor.dtype in FP8_DTYPES)
     if unscaled:
-        raise CheckpointFormatError(f"fp8 tensors without a weight_scale_inv: {', '.join(sorted(unscaled))}")
-    return {
-        name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in plain.items()
-    }
+        autofp8 = any(name + "_scale" in tensors for name in unscaled)
+        raise CheckpointFormatError(
+            f"fp8 tensors without a weight_scale_inv: {', '.join(unscaled)}"
+            + (
+                " (weight_scale and input_scale are AutoFP8's layout, which petals does not read yet)"
+                if autofp8
+                else ""
+            )
+        )
+    return _to_dtype(plain, dtype)
+
+
+FP8_ROWS_PER_CHUNK = 128  # rows dequantized at a time in float32 (per-tensor scales; blocks: a block's rows)
 
 
 def _dequantize_fp8_weight(
-    name: str, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: list[int] | None
+    name: str, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: list[int] | None, dtype: torch.dtype
 ) -> torch.Tensor:
+    """``weight * scale_inv`` (each block's scale over its rows and columns) in float32, rounded once to
+    ``dtype``, a band of rows at a time: loading needs the fp8 weight, the result and one band's
+    float32 temporaries, not float32 copies of the whole weight and of its expanded scales."""
     # FP4-packed experts (int8) and power-of-two scales (ue8m0, uint8) are other layouts: refused, not misread
     if weight.dtype not in FP8_DTYPES or scale_inv.dtype not in (torch.float32, torch.bfloat16):
         raise CheckpointFormatError(
             f"{name}: a {weight.dtype} weight with {scale_inv.dtype} scales is not the fp8 layout petals "
             "reads (float8 weights, float32 scales)"
         )
-    weight = weight.to(torch.float32)
     scale_inv = scale_inv.to(torch.float32)
-    if block_size is None or scale_inv.numel() == 1:
-        return weight * scale_inv.reshape(())
     rows, cols = weight.shape[-2:]
-    grid = (-(-rows // block_size[0]), -(-cols // block_size[1]))
-    if tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
-        raise CheckpointFormatError(
-            f"{name}: weight {tuple(weight.shape)} in blocks of {list(block_size)} needs scales of shape "
-            f"{(*weight.shape[:-2], *grid)}, the checkpoint has {tuple(scale_inv.shape)}"
-        )
-    scale = scale_inv.repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block_size[1], dim=-1)[..., :cols]
-    return weight * scale
+    if block_size is None or scale_inv.numel() == 1:
+        band, scale_of_band = FP8_ROWS_PER_CHUNK, lambda _: scale_inv.reshape(())
+    else:
+        grid = (-(-rows // block_size[0]), -(-cols // block_size[1]))
+        if tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
+            raise CheckpointFormatError(
+                f"{name}: weight {tuple(weight.shape)} in blocks of {list(block_size)} needs scales of shape "
+                f"{(*weight.shape[:-2], *grid)}, the checkpoint has {tuple(scale_inv.shape)}"
+            )
+        band = block_size[0]
+
+        def scale_of_band(index: int) -> torch.Tensor:  # [..., 1, cols]: the band's scales along its row
+            scales = scale_inv[..., index : index + 1, :]
+            return scales.repeat_interleave(block_size[1], dim=-1)[..., :cols]
+
+    dequantized = torch.empty(weight.shape, dtype=dtype)
+    for index, start in enumerate(range(0, rows, band)):
+        rows_of_band = slice(start, start + band)
+        dequantized[..., rows_of_band, :] = (
+            weight[..., rows_of_band, :].to(torch.float32) * scale_of_band(index)
+        ).to(dtype)
+    return dequantized
 
 
 def dequantize_mxfp4(
