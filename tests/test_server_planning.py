@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3_5TextConfig
 
 from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.block import cache_spec
 from petals.convert import estimate_block_weight_bytes
 from petals.network.p2p import NetworkOptions
+from petals.plugins import get_plugin_manager
 from petals.server.planning import (
     GiB,
     choose_device,
@@ -40,7 +42,7 @@ def test_plan_divides_free_memory_by_the_cost_of_a_block(llama_config):
         llama_config, "cpu", torch.float32, attn_cache_tokens=1000, memory_bytes=autograd + 3 * per_block + 1
     )
     assert num_blocks == 3
-    assert explanation.startswith("3 blocks = min(floor((")
+    assert explanation.startswith("3 blocks = the most consecutive of the model's 4 that fit in ")
     assert "KV cache for 1000 tokens" in explanation
 
 
@@ -56,6 +58,36 @@ def test_quantization_and_more_devices_fit_more_blocks(llama_config):
 
     assert plan() < plan(quant_type="int8") < plan(quant_type="nf4")
     assert plan(tensor_parallel_devices=["cpu", "cpu"]) < plan()  # the same memory, two autograd reserves
+
+
+def test_a_model_of_mixed_kinds_is_planned_by_each_blocks_own_cache():
+    """Qwen3.5: three linear-attention blocks (a few sequence states) for each full-attention one (a
+    pool of tokens): four blocks cost three small caches and one large, not four large ones."""
+    text = Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    config = get_plugin_manager().family("qwen3_5_text").config_class.from_dict(text.to_dict())
+    weights = estimate_block_weight_bytes(config, torch.float32)
+    linear, full = (
+        weights + cache_spec(config, index).budget_bytes(16384, torch.float32) for index in (0, 3)
+    )
+    assert 3 * linear < full  # so that the largest block's cost for every block would plan fewer
+
+    def plan(memory: int) -> int:
+        return plan_num_blocks(
+            config, "cpu", torch.float32, attn_cache_tokens=16384, memory_bytes=AUTOGRAD_RESERVE + memory
+        )[0]
+
+    assert plan(3 * linear + full) == 4
+    assert plan(3 * linear + full - 1) == 3
+    assert plan(2 * linear + full - 1) == 2  # three linear blocks fit, but not three with the full one
+    assert plan(linear + full - 1) == 1  # wherever the server's blocks start, the full one may be among them
+    with pytest.raises(
+        ValueError, match=r"not even one block fits: .* \+ 0.001 GiB to 0.004 GiB KV cache for 16384"
+    ):
+        plan(full - 1)
 
 
 def test_plan_is_capped_by_the_model_and_uses_host_ram_on_cpu(llama_config):

@@ -9,8 +9,10 @@ against the device's memory).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import importlib
+import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -234,7 +236,8 @@ def plan_num_blocks(
     sequences as its kind keeps for that budget) + LoRA adapters. Reserved once: 2 GiB per
     device for autograd, scaled by hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
     With tensor parallelism the devices' memories add up (counted as ``n * min``).
-    ``memory_bytes`` overrides the measured total. Capped at the model's number of blocks.
+    ``memory_bytes`` overrides the measured total. Each block counts its own cache (blocks of different
+    kinds differ): the plan is the longest span of consecutive blocks that fits wherever it starts.
     ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose.
     """
     from petals.block import cache_spec
@@ -246,20 +249,22 @@ def plan_num_blocks(
     if memory_bytes is None:
         memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
     weights = estimate_block_weight_bytes(config, dtype, quant_type)
-    # the largest block's cache: a pool of attn_cache_tokens tokens for every block, of its own kind
-    cache = max(
+    # each block's own cache: a pool of attn_cache_tokens tokens of its kind (a block of states keeps less)
+    caches = [
         cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype)
         for index in range(config.num_hidden_layers)
-    )
+    ]
     adapters = adapter_bytes_per_block(config, adapter_files)
-    per_block = weights + cache + adapters
     autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
-    num_blocks = min(max(0, (memory_bytes - autograd) // per_block), config.num_hidden_layers)
+    num_blocks = most_consecutive_blocks(
+        [weights + cache + adapters for cache in caches], memory_bytes - autograd
+    )
+    cache = _gib(min(caches)) if min(caches) == max(caches) else f"{_gib(min(caches))} to {_gib(max(caches))}"
     explanation = (
-        f"{num_blocks} blocks = min(floor(({_gib(memory_bytes)} memory on {', '.join(map(str, devices))} "
-        f"- {_gib(autograd)} autograd reserve) / {_gib(per_block)} per block), {config.num_hidden_layers} in the model); "
+        f"{num_blocks} blocks = the most consecutive of the model's {config.num_hidden_layers} that fit in "
+        f"{_gib(memory_bytes)} memory on {', '.join(map(str, devices))} - {_gib(autograd)} autograd reserve; "
         f"per block: {_gib(weights)} weights ({quant_type}, {str(dtype).removeprefix('torch.')}) "
-        f"+ {_gib(cache)} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
+        f"+ {cache} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
     )
     logger.info("Memory plan: %s", explanation)
     if num_blocks < 1:
@@ -268,6 +273,20 @@ def plan_num_blocks(
             "or set --num_blocks explicitly"
         )
     return num_blocks, explanation
+
+
+def most_consecutive_blocks(costs: Sequence[int], budget: int) -> int:
+    """The most consecutive blocks whose ``costs`` add up to at most ``budget`` wherever they start: the
+    server picks its span only later, from the swarm, so the costliest span of that length must fit."""
+    starts = [0, *itertools.accumulate(costs)]
+
+    def too_many(count: int) -> bool:
+        return (
+            count > 0 and max(starts[i + count] - starts[i] for i in range(len(costs) - count + 1)) > budget
+        )
+
+    # a span that fits leaves every shorter one fitting: the first count that does not, less one
+    return bisect.bisect_left(range(len(costs) + 1), True, key=too_many) - 1
 
 
 def _gib(num_bytes: float) -> str:
