@@ -192,7 +192,6 @@ class HostedBlocks:
         first = backends[0]
         self.config, self.dtype, self.device = first.config, first.dtype, first.device
         self.hidden_size: int = first.config.hidden_size
-        self.bytes_per_token = first.bytes_per_token
 
     def __len__(self) -> int:
         return len(self.backends)
