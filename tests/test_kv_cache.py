@@ -11,10 +11,12 @@ from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.block import allocate_cache, cache_spec
 from petals.kv_cache import (
+    MANAGERS,
     TOKENS_PER_SEQUENCE,
     AttentionCache,
     CacheOverflowError,
     FullAttentionSpec,
+    HybridCache,
     HybridSpec,
     IndexedAttentionCache,
     IndexedAttentionSpec,
@@ -314,6 +316,24 @@ def test_a_hybrid_cache_rewinds_only_where_its_state_can_and_keeps_its_keys_then
     assert cache.position == cache.state.position == 6
     cache.release()
     assert cache.attention.pool.free_pages == cache.attention.pool.num_pages
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        MIXER_AND_ATTENTION.attention,
+        SlidingWindowSpec(num_kv_heads=2, key_dim=8, value_dim=8, num_query_heads=4, window=8),
+        IndexedAttentionSpec(num_kv_heads=1, key_dim=8, value_dim=4, num_query_heads=4, index_dim=3),
+    ],
+    ids=lambda spec: spec.kind,
+)
+def test_a_hybrid_keeps_its_attention_part_by_the_manager_of_that_kind(attention):
+    spec = HybridSpec(attention=attention, state=MIXER_AND_ATTENTION.state)
+    manager = MANAGERS[type(attention)]
+    pool = HybridCache.make_pool(spec, tokens=64, page_tokens=4, dtype=torch.float32, device="cpu")
+    assert type(pool.attention) is manager.pool_class  # an indexed kind's pages keep its indexer keys
+    assert type(open_cache(spec, 1, 16).attention) is manager
+    assert type(open_cache(spec, 1, 16, pool=pool).attention) is manager
 
 
 def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():

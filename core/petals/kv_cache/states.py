@@ -42,11 +42,10 @@ from petals.kv_cache.attention import (
     AttentionCache,
     PagedLayer,
     RowsCache,
-    SlidingWindowCache,
     check_hypo_ids,
 )
 from petals.kv_cache.pages import CacheOverflowError, OutOfPagesError, PagePool
-from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, HybridSpec, LinearAttentionSpec, SlidingWindowSpec
+from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, HybridSpec, LinearAttentionSpec
 
 
 class StatePool:
@@ -415,8 +414,8 @@ class HybridPool:
 
 
 class HybridCache:
-    """One session's cache of a hybrid block: its keys and values (``attention``, an ``AttentionCache``
-    or a ``SlidingWindowCache``) and its state (``state``, a ``LinearAttentionState``), grown, rewound,
+    """One session's cache of a hybrid block: its keys and values (``attention``, kept by the manager of
+    their kind in ``MANAGERS``) and its state (``state``, a ``LinearAttentionState``), grown, rewound,
     reordered and released together. A rewind goes only where the state can go (the start of one of
     its last steps, or 0)."""
 
@@ -431,7 +430,7 @@ class HybridCache:
         pool: HybridPool | None = None,
         layer_index: int = 0,
     ) -> None:
-        attention = SlidingWindowCache if isinstance(spec.attention, SlidingWindowSpec) else AttentionCache
+        attention = _attention_manager(spec)
         if pool is None:
             self.attention = attention(
                 spec.attention, batch_size, max_length, dtype, device, layer_index=layer_index
@@ -455,7 +454,7 @@ class HybridCache:
         cls, spec: HybridSpec, tokens: int, page_tokens: int, dtype: torch.dtype, device: torch.device | str
     ) -> HybridPool:
         """A block's pools for a budget of ``tokens`` tokens: pages of keys and values, and sequence states."""
-        attention = AttentionCache.make_pool(spec.attention, tokens, page_tokens, dtype, device)
+        attention = _attention_manager(spec).make_pool(spec.attention, tokens, page_tokens, dtype, device)
         state = LinearAttentionState.make_pool(spec.state, tokens, page_tokens, dtype, device)
         return HybridPool(spec, attention, state)
 
@@ -497,6 +496,13 @@ class HybridCache:
     def release(self) -> None:
         self.state.release()
         self.attention.release()
+
+
+def _attention_manager(spec: HybridSpec) -> type[AttentionCache]:
+    """The manager of a hybrid block's attention part: its kind's, from the table of managers."""
+    from petals.kv_cache import manager_for  # the table imports this module
+
+    return manager_for(spec.attention, "a hybrid block's attention")
 
 
 class HybridLayer(StateLayer, CacheLayerMixin):
