@@ -1,6 +1,7 @@
 """What each block caches (its cache spec, per kind) and the server cache's own rules."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -361,6 +362,31 @@ def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():
     for cache in caches:
         cache.release()
     assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE
+
+
+def test_a_waiting_admission_is_woken_when_another_session_gives_its_pages_back():
+    config = DistributedLlamaConfig.from_dict(tiny_config("llama").to_dict())
+    backends = [
+        BlockBackend(f"llama.{index}", index, torch.nn.Identity(), config, torch.float32, torch.device("cpu"))
+        for index in range(2)
+    ]
+    budget = CacheBudget(backends, tokens_per_block=32, page_tokens=16)  # two pages per block
+    taken = budget.open_caches(backends, 1, 32)
+    for cache in taken:
+        cache.reserve(32)
+    assert budget.tokens_left == 0
+
+    async def wait_then_free() -> float:
+        waiting = asyncio.create_task(budget.admit(backends, 1, 32, 16, timeout=60))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # it waits for a page...
+        freed = time.monotonic()
+        await asyncio.to_thread(lambda: [cache.release() for cache in taken])  # as the compute thread does
+        await asyncio.wait_for(waiting, 10)  # ...and is woken by its release, long before its 60 s
+        return time.monotonic() - freed
+
+    assert asyncio.run(wait_then_free()) < 5
+    assert budget.tokens_left == 2 * 2 * 32
 
 
 # a latent of 6 and a rope key of 2 as one key/value "head" read by 4 query heads, and indexer keys of 3
