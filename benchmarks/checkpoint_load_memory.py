@@ -2,10 +2,10 @@
 
     python -m benchmarks.checkpoint_load_memory [--quick]
 
-For MXFP4 (a GPT-OSS-shaped model: 32 experts, hidden 1024) and GPTQ 4-bit (a Llama-shaped model,
-hidden 2048), a two-layer checkpoint is written in the published layout (random packed bytes of the
-real names, shapes and dtypes: memory does not depend on the values) beside a dense checkpoint of
-the same model in the serving dtype. A fresh process imports everything, resets its peak RSS
+For MXFP4 (a GPT-OSS-shaped model: 32 experts, hidden 1024) and for FP8 block-wise (128x128 blocks),
+FP8 per-tensor, GPTQ 4-bit and AWQ 4-bit (a Llama-shaped model, hidden 2048), a two-layer checkpoint
+is written in the published layout (random packed bytes of the real names, shapes and dtypes: memory
+does not depend on the values) beside a dense checkpoint of the same model in the serving dtype. A fresh process imports everything, resets its peak RSS
 (``/proc/self/clear_refs``), loads block 1 with ``petals.loading.load_block`` and reads the peak
 (``VmHWM``, pages mapped from the checkpoint included). Printed: the peak growth over the dense
 block's bytes, for the quantized checkpoint and for the dense one (what plain weights cost).
@@ -92,9 +92,9 @@ def mxfp4_pair(root: Path, quick: bool) -> tuple[Path, Path]:
     return quantized, write(root / "mxfp4-dense", dense, config, None)
 
 
-def gptq_pair(root: Path, quick: bool) -> tuple[Path, Path]:
+def llama_config(quick: bool) -> LlamaConfig:
     hidden = 1024 if quick else 2048
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=2,
@@ -102,28 +102,66 @@ def gptq_pair(root: Path, quick: bool) -> tuple[Path, Path]:
         num_key_value_heads=4,
         vocab_size=1000,
     )
-    dense = random_dense(shapes(config))
-    packed, group = {}, 128
-    for name, tensor in dense.items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            prefix, (outs, ins) = name.removesuffix("weight"), tensor.shape
-            packed[prefix + "qweight"] = torch.randint(
-                -(2**31), 2**31 - 1, (ins // 8, outs), dtype=torch.int32
-            )
-            packed[prefix + "qzeros"] = torch.full((ins // group, outs // 8), 0x77777777, dtype=torch.int32)
-            packed[prefix + "scales"] = (torch.rand(ins // group, outs) * 1e-3).to(torch.float16)
-            packed[prefix + "g_idx"] = (torch.arange(ins) // group).to(torch.int32)
-        else:
-            packed[name] = tensor
-    quantization_config = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": group,
-        "desc_act": False,
-        "sym": True,
+
+
+GROUP = 128  # GPTQ/AWQ inputs per group, FP8 block rows and columns
+
+
+def gptq_linear(outs: int, ins: int) -> dict[str, torch.Tensor]:
+    return {
+        "qweight": torch.randint(-(2**31), 2**31 - 1, (ins // 8, outs), dtype=torch.int32),
+        "qzeros": torch.full((ins // GROUP, outs // 8), 0x77777777, dtype=torch.int32),
+        "scales": (torch.rand(ins // GROUP, outs) * 1e-3).to(torch.float16),
+        "g_idx": (torch.arange(ins) // GROUP).to(torch.int32),
     }
-    quantized = write(root / "gptq", packed, config, quantization_config)
-    return quantized, write(root / "gptq-dense", dense, config, None)
+
+
+def awq_linear(outs: int, ins: int) -> dict[str, torch.Tensor]:
+    return {
+        "qweight": torch.randint(-(2**31), 2**31 - 1, (ins, outs // 8), dtype=torch.int32),
+        "qzeros": torch.full((ins // GROUP, outs // 8), 0x77777777, dtype=torch.int32),
+        "scales": (torch.rand(ins // GROUP, outs) * 1e-3).to(torch.float16),
+    }
+
+
+def fp8_linear(outs: int, ins: int, blocks: bool) -> dict[str, torch.Tensor]:
+    grid = (-(-outs // GROUP), -(-ins // GROUP)) if blocks else ()
+    return {
+        "weight": torch.randn(outs, ins).to(torch.float8_e4m3fn),
+        "weight_scale_inv": torch.rand(grid) * 1e-3,
+    }
+
+
+LLAMA_FORMATS = {  # name -> (one linear's stored tensors by suffix, quantization_config)
+    "gptq": (gptq_linear, {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False}),
+    "awq": (awq_linear, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm"}),
+    "fp8 blocks": (
+        lambda outs, ins: fp8_linear(outs, ins, blocks=True),
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP]},
+    ),
+    "fp8 tensor": (
+        lambda outs, ins: fp8_linear(outs, ins, blocks=False),
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None},
+    ),
+}
+
+
+def llama_checkpoints(root: Path, quick: bool, formats: list[str]) -> dict[str, Path]:
+    """The dense Llama-shaped checkpoint (``"dense"``) and one per format, its decoder linears packed."""
+    config = llama_config(quick)
+    dense = random_dense(shapes(config))
+    written = {"dense": write(root / "llama-dense", dense, config, None)}
+    for name in formats:
+        pack, quantization_config = LLAMA_FORMATS[name]
+        packed = {}
+        for tensor_name, tensor in dense.items():
+            if tensor_name.startswith("model.layers.") and tensor_name.endswith("proj.weight"):
+                prefix = tensor_name.removesuffix("weight")
+                packed.update({prefix + suffix: stored for suffix, stored in pack(*tensor.shape).items()})
+            else:
+                packed[tensor_name] = tensor
+        written[name] = write(root / name.replace(" ", "-"), packed, config, quantization_config)
+    return written
 
 
 def measure(path: Path, dtype: str) -> tuple[int, int]:
@@ -133,19 +171,25 @@ def measure(path: Path, dtype: str) -> tuple[int, int]:
     return int(out[-2]), int(out[-1])
 
 
+def report(name: str, dtype: str, quantized: Path, dense_peak: int) -> None:
+    peak, block = measure(quantized, dtype)
+    print(
+        f"{name:10s} -> {dtype:8s}: dense block {block / MIB:7.1f} MiB; peak RSS growth while loading "
+        f"{peak / MIB:7.1f} MiB ({peak / block:.2f}x the block) from the {name} checkpoint, "
+        f"{dense_peak / MIB:7.1f} MiB ({dense_peak / block:.2f}x) from the dense one"
+    )
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build in (("mxfp4", mxfp4_pair), ("gptq", gptq_pair)):
-            quantized, dense = build(Path(tmp), quick)
-            for dtype in ("bfloat16", "float32"):
-                peak, block = measure(quantized, dtype)
-                dense_peak, _ = measure(dense, dtype)
-                print(
-                    f"{name:5s} -> {dtype:8s}: dense block {block / MIB:7.1f} MiB; peak RSS growth while loading "
-                    f"{peak / MIB:7.1f} MiB ({peak / block:.2f}x the block) from the {name} checkpoint, "
-                    f"{dense_peak / MIB:7.1f} MiB ({dense_peak / block:.2f}x) from the dense one"
-                )
+        quantized, dense = mxfp4_pair(Path(tmp), quick)
+        llama = llama_checkpoints(Path(tmp), quick, list(LLAMA_FORMATS))
+        for dtype in ("bfloat16", "float32"):
+            report("mxfp4", dtype, quantized, measure(dense, dtype)[0])
+            dense_peak, _ = measure(llama["dense"], dtype)
+            for name in LLAMA_FORMATS:
+                report(name, dtype, llama[name], dense_peak)
 
 
 if __name__ == "__main__":
