@@ -4,12 +4,14 @@ import copy
 
 import pytest
 import torch
+from transformers import FalconH1Config, Qwen3_5TextConfig
 
 from conftest import TINY_CONFIGS
-from petals.block import allocate_cache, cache_spec
+from petals.block import allocate_cache, cache_spec, make_block
 from petals.convert import ShardedCache, make_tensor_parallel
 from petals.kv_cache import PagePool, open_cache
 from petals.loading import load_block
+from petals.plugins import get_plugin_manager
 
 DEVICES = ["cpu", "cpu"]
 
@@ -98,3 +100,32 @@ def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_pa
     for session in sessions:
         session.release()
     assert all(pool.free_pages == pool.num_pages for pool in pools)
+
+
+# a block of gated delta net states (Qwen3.5's first layers), and one of a Mamba mixer beside attention
+STATE_BLOCKS = {
+    "linear attention": Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    ),
+    "full attention and linear attention": FalconH1Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(STATE_BLOCKS))
+def test_a_block_with_a_fixed_size_state_is_refused_in_one_line_naming_its_kind(kind):
+    pytest.importorskip("tensor_parallel")
+    tiny = STATE_BLOCKS[kind]
+    config = get_plugin_manager().family(tiny.model_type).config_class.from_dict(tiny.to_dict())
+    with torch.device("meta"):
+        block = make_block(config, 0)
+    with pytest.raises(NotImplementedError) as error:
+        make_tensor_parallel(block, config, DEVICES)
+    assert str(error.value) == (
+        f"model type {tiny.model_type!r}: a {kind} cache cannot be split over devices yet; "
+        "serve it without --tensor_parallel_devices"
+    )
