@@ -1,54 +1,89 @@
 """Write docs/families.md: the model types the first-party plugins serve (plugin, cache kinds, the tests
-that check each), then every other causal-LM model type transformers knows and why it is not served.
+that check each), those the example plugins in ``plugins/`` serve, then every other causal-LM model type
+transformers knows and why it is not served; and the README's table of the families, one row per
+first-party distribution, between its ``<!-- families:start -->`` and ``<!-- families:end -->`` lines.
 
-    python docs/families.py          # rewrite docs/families.md
-    python docs/families.py --check  # exit 1 if docs/families.md is not what this writes
+    python docs/families.py          # rewrite docs/families.md and the README's table
+    python docs/families.py --check  # exit 1 if either is not what this writes
 
 The rows come from ``petals.families_report`` (what ``petals plugins --families`` prints) over the
-installed plugins; the tests of a model type are the test files naming its transformers config class or
-its quoted model type: the conformance kit's (a plugin's tests, ``tests/test_conformance.py`` over
-``tests/conftest.py``'s tiny configs) and those running real ``petals serve`` processes.
+installed plugins. A model type's tests are the test files naming its transformers config class or its
+quoted model type (or importing a helper module beside them that does): those running the conformance
+kit (``check_family``), and those starting real ``petals serve`` processes (servers running inside the
+test's own process do not count).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from petals.families_report import FamilyRow, family_rows
+from petals.plugins import get_plugin_manager
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "families.md"
-KIT = ["petals_*/tests/*.py", "plugins/*/tests/test_*.py", "tests/conftest.py"]
+README = ROOT / "README.md"
+README_START, README_END = "<!-- families:start -->", "<!-- families:end -->"
+KIT = ["petals_*/tests/*.py", "plugins/*/tests/*.py", "tests/test_conformance.py"]
 SERVERS = [
     "tests/test_swarm*.py", "tests/test_server_swarm.py", "tests/test_e2e_*.py", "tests/test_gguf.py",
     "tests/test_gemma3_gguf.py", "tests/test_client_failover.py", "plugins/*/tests/*swarm*.py",
 ]  # fmt: skip
+USES_KIT = re.compile(r"\bcheck_family\(")
+STARTS_PROCESSES = re.compile(
+    r"\b(running_swarm|swarm_with_processes|start_server)\(|\"petals\.cli\", \"demo\""
+)
+# model types a file names whose servers it runs only in its own process, beside real processes for others
+IN_PROCESS_THERE = {"tests/test_e2e_conversions.py": {"bloom"}}  # its tensor-parallel servers
 
 
-def test_files(patterns: list[str]) -> dict[str, str]:
+def test_files(patterns: list[str], uses: re.Pattern, helpers: bool = False) -> dict[str, str]:
+    """The files matching ``patterns`` whose text ``uses`` matches: name -> their text, with ``helpers``
+    that of the modules beside them they import (the kit's tiny configs: ``from qwen2_tiny import ...``)."""
     files = sorted({path for pattern in patterns for path in ROOT.glob(pattern)})
-    return {str(path.relative_to(ROOT)): path.read_text() for path in files}
+    found = {}
+    for path in files:
+        text = path.read_text()
+        if uses.search(text):
+            imported = re.findall(r"^from (\w+) import", text, re.MULTILINE) if helpers else []
+            beside = [path.parent / f"{name}.py" for name in imported]
+            text += "".join(module.read_text() for module in beside if module.exists())
+            found[str(path.relative_to(ROOT))] = text
+    return found
 
 
 def naming(files: dict[str, str], model_type: str) -> list[str]:
     config_class = CONFIG_MAPPING_NAMES.get(model_type)
     names = [re.escape(f'"{model_type}"')] + ([rf"\b{config_class}\b"] if config_class else [])
     pattern = re.compile("|".join(names))
-    found = [name for name, text in files.items() if pattern.search(text)]
-    return ["tests/test_conformance.py" if name == "tests/conftest.py" else name for name in found]
+    return [
+        name
+        for name, text in files.items()
+        if pattern.search(text) and model_type not in IN_PROCESS_THERE.get(name, ())
+    ]
 
 
 def cell(paths: list[str]) -> str:
     return ", ".join(f"`{path}`" for path in paths) or "-"
 
 
-def page(rows: list[FamilyRow]) -> str:
-    kit, servers = test_files(KIT), test_files(SERVERS)
-    served = [row for row in rows if row.plugin is not None]
+def distributions(folders: str) -> dict[str, str]:
+    """Plugin (entry-point name) -> distribution, of the ``pyproject.toml`` files in ``folders``."""
+    found = {}
+    for pyproject in sorted(ROOT.glob(f"{folders}/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        for plugin in project.get("entry-points", {}).get("petals", {}):
+            found[plugin] = project["name"]
+    return found
+
+
+def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) -> str:
+    first_party, examples = distributions("petals_*"), distributions("plugins/*")
     others = [row for row in rows if row.plugin is None]
     lines = [
         "# Model families",
@@ -56,19 +91,31 @@ def page(rows: list[FamilyRow]) -> str:
         "Written by `python docs/families.py` (checked by `tests/test_families_report.py`); "
         "`petals plugins --families` prints the same rows for the plugins installed where it runs. "
         "Cache kinds are those of the model type's default config (transformers' defaults), through "
-        "the serving plugin's `cache_spec`.",
-        "",
-        f"## Served by the first-party plugins ({len(served)} model types)",
-        "",
-        "| model type | plugin | cache kinds | conformance kit | through real `petals serve` |",
-        "|---|---|---|---|---|",
+        "the serving plugin's `cache_spec`; a plugin may serve kinds its type's default config does not "
+        "use (LFM2's default config has attention in every layer; `petals-lfm` also serves its "
+        "convolution layers). The tests of a type are those naming it: the ones running the conformance "
+        "kit, and the ones starting real `petals serve` processes (not servers in the test's own process).",
     ]
-    for row in served:
-        kinds = ", ".join(row.cache_kinds) or row.note
-        lines.append(
-            f"| `{row.model_type}` | {row.plugin} | {kinds} | {cell(naming(kit, row.model_type))} "
-            f"| {cell(naming(servers, row.model_type))} |"
-        )
+    for title, plugins in (
+        ("the first-party plugins", first_party),
+        ("the example plugins in `plugins/`", examples),
+    ):
+        served = [row for row in rows if row.plugin in plugins]
+        lines += [
+            "",
+            f"## Served by {title} ({len(served)} model types)",
+            "",
+            "| model type | plugin | cache kinds (default config) | conformance kit | through real `petals serve` |",
+            "|---|---|---|---|---|",
+        ]
+        for row in served:
+            kinds = ", ".join(row.cache_kinds) or row.note
+            if row.made_up:
+                kinds += f"; {row.note}"
+            lines.append(
+                f"| `{row.model_type}` | {plugins[row.plugin]} | {kinds} | {cell(naming(kit, row.model_type))} "
+                f"| {cell(naming(servers, row.model_type))} |"
+            )
     lines += [
         "",
         f"## Not served ({len(others)} model types of transformers' causal-LM mapping)",
@@ -80,15 +127,56 @@ def page(rows: list[FamilyRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_table(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) -> str:
+    """One row per first-party distribution: its model types, their cache kinds, the tests verifying them."""
+    lines = [
+        README_START,
+        "| distribution | model types (* kit only) | cache kinds (default configs) | conformance kit | real `petals serve` |",
+        "|---|---|---|---|---|",
+    ]
+    for plugin, distribution in sorted(distributions("petals_*").items(), key=lambda item: item[1]):
+        served = [row for row in rows if row.plugin == plugin]
+        types = ", ".join(
+            f"`{row.model_type}`" + ("" if naming(servers, row.model_type) else "*") for row in served
+        )
+        kinds = _unique(kind.split(":")[0] for row in served for kind in row.cache_kinds)
+        kit_tests = _unique(path for row in served for path in naming(kit, row.model_type))
+        server_tests = _unique(path for row in served for path in naming(servers, row.model_type))
+        lines.append(
+            f"| `{distribution}` | {types} | {', '.join(kinds) or '-'} | {_files(kit_tests)} | {_files(server_tests)} |"
+        )
+    lines.append(README_END)
+    return "\n".join(lines)
+
+
+def _files(paths: list[str]) -> str:
+    return ", ".join(f"[{Path(path).stem}]({path})" for path in paths) or "-"
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
+    return readme[:start] + table + readme[end:]
+
+
 def main(argv: list[str]) -> int:
-    text = page(family_rows())
+    rows = family_rows(get_plugin_manager())
+    kit, servers = test_files(KIT, USES_KIT, helpers=True), test_files(SERVERS, STARTS_PROCESSES)
+    written = {
+        PAGE: page(rows, kit, servers),
+        README: with_readme_table(README.read_text(), readme_table(rows, kit, servers)),
+    }
     if "--check" in argv:
-        if PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python docs/families.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+        stale = [path for path, text in written.items() if path.read_text() != text]
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run python docs/families.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in written.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

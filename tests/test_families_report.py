@@ -1,6 +1,7 @@
 """``petals plugins --families``: transformers' causal-LM model types, served by which plugin or why not;
 and the three-line plugin form that plugins/README.md documents, run through the kit as printed there."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import types
 
 import torch
 from transformers import SeedOssConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from conftest import ROOT
@@ -31,8 +33,11 @@ def test_the_cli_lists_every_causal_lm_type_with_its_plugin_or_why_not():
     assert set(rows) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(families)
     for model_type, family in families.items():
         assert rows[model_type].split()[1] == family.plugin, rows[model_type]
+    # a type only its plugin knows (the template's placeholder) is named apart, not counted as served
+    made_up = sorted(set(families) - set(CONFIG_MAPPING_NAMES))
     assert result.stdout.splitlines()[-1] == (
-        f"{len(families)} of {len(rows)} model types served by the installed plugins"
+        f"{len(families) - len(made_up)} of {len(rows) - len(made_up)} transformers model types served by "
+        "the installed plugins" + (f"; made up by a plugin: {', '.join(made_up)}" if made_up else "")
     )
 
 
@@ -51,6 +56,11 @@ def test_each_row_says_what_serves_it_or_why_nothing_does():
     assert rows["deepseek_v3"].cache_kinds == (
         "full attention: 576 values/token",
     )  # the latent, not 128 heads
+    # the template's made-up type is marked as such; a real one is not
+    assert (
+        rows["petals_template"].made_up and "transformers has no such model" in rows["petals_template"].note
+    )
+    assert not rows["gemma3_text"].made_up
     # a multimodal wrapper is served as the text model it holds
     assert (
         rows["gemma3"].plugin is None
@@ -79,6 +89,29 @@ def test_docs_families_md_is_what_its_script_writes():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+def docs_script() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_families", ROOT / "docs" / "families.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_tests_starting_petals_serve_processes_count_as_served_through_them():
+    docs = docs_script()
+    kit = docs.test_files(docs.KIT, docs.USES_KIT, helpers=True)
+    servers = docs.test_files(docs.SERVERS, docs.STARTS_PROCESSES)
+    # servers in the test's own process only: not through real `petals serve`
+    assert "tests/test_server_swarm.py" not in servers
+    assert "plugins/petals_qwen2/tests/test_qwen2_swarm.py" not in servers
+    assert "tests/test_swarm_families.py" in servers and "tests/test_gemma3_gguf.py" in servers
+    # a file whose servers for this type run in its own process (tensor-parallel BLOOM) does not count
+    assert docs.naming(servers, "bloom") == []
+    assert "tests/test_e2e_conversions.py" in docs.naming(servers, "mixtral")
+    # the kit column: the files running check_family, their tiny configs in a helper module beside them
+    assert docs.naming(kit, "qwen2") == ["plugins/petals_qwen2/tests/test_qwen2_conformance.py"]
+    assert "tests/test_conformance.py" in docs.naming(kit, "llama")  # its configs are in tests/conftest.py
 
 
 def three_line_plugin_from_the_guide() -> types.ModuleType:

@@ -3,7 +3,11 @@
 One row per model type of transformers' causal-LM mapping (and per type a plugin registers beyond it):
 the installed plugin serving it, the cache kinds of its layers, or why it is not served. The kinds are
 read from the type's default config (transformers' defaults: the published base model's layer mix, as a
-rule) through the same ``cache_spec`` a server budgets with, so a plugin's own hook answers for its types.
+rule) through the same ``cache_spec`` a server budgets with, so a plugin's own hook answers for its types;
+a plugin may serve kinds its type's default config does not use (LFM2's has attention in every layer,
+the plugin also serves its convolution layers), so the column says "default config".
+A type transformers does not know, made up by a plugin (the template's ``petals_template``), is not
+counted among the served ones; the count line names it apart.
 
 Not served, a row says which of three it is: a multimodal wrapper whose text model a plugin serves
 (``petals.wrappers``: served as that text model), a type whose layers core has a cache kind for (a
@@ -25,6 +29,7 @@ class FamilyRow:
     plugin: str | None  # the installed plugin serving it, None when none does
     cache_kinds: tuple[str, ...]  # its default config's layer kinds (and what each keeps), in order
     note: str  # served: "" or what it refuses; not served: why, and what would serve it
+    made_up: bool = False  # a type only its plugin knows (an example's placeholder), not transformers
 
 
 def family_rows(manager: PluginManager | None = None) -> list[FamilyRow]:
@@ -46,16 +51,19 @@ def family_rows(manager: PluginManager | None = None) -> list[FamilyRow]:
 
 
 def format_rows(rows: list[FamilyRow]) -> str:
-    """The rows as an aligned text table, then a count of the served types."""
-    table = [("model type", "served by", "cache kinds", "note")]
+    """The rows as an aligned text table, then a count of the served types transformers knows."""
+    table = [("model type", "served by", "cache kinds (default config)", "note")]
     table += [(r.model_type, r.plugin or "-", ", ".join(r.cache_kinds) or "?", r.note) for r in rows]
     widths = [max(len(line[column]) for line in table) for column in range(3)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(line[:3], widths, strict=True)) + "  " + line[3]
         for line in table
     ]
-    served = sum(row.plugin is not None for row in rows)
-    lines.append(f"{served} of {len(rows)} model types served by the installed plugins")
+    known = [row for row in rows if not row.made_up]
+    served = sum(row.plugin is not None for row in known)
+    count = f"{served} of {len(known)} transformers model types served by the installed plugins"
+    made_up = [row.model_type for row in rows if row.made_up]
+    lines.append(count + (f"; made up by a plugin: {', '.join(made_up)}" if made_up else ""))
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -67,7 +75,11 @@ def _row(model_type: str, families: dict[str, ModelFamily]) -> FamilyRow:
         plugin = family.plugin if family else None
         return FamilyRow(model_type, plugin, (), f"default config refused: {_one_line(error)}")
     if family is not None:
-        return FamilyRow(model_type, family.plugin, _kinds(config), "")
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        made_up = model_type not in CONFIG_MAPPING_NAMES
+        note = "made up by its plugin: transformers has no such model" if made_up else ""
+        return FamilyRow(model_type, family.plugin, _kinds(config), note, made_up)
     text_config = getattr(config, "text_config", None)
     text_type = getattr(text_config, "model_type", None)
     if text_type is not None and text_type != model_type:
