@@ -8,6 +8,8 @@ embeddings in F16, norms in F32. The reference is transformers loading the same 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ import petals
 from conftest import LOOPBACK_CLIENT
 from petals.auto import AutoDistributedConfig
 from petals.block import make_block
+from petals.checkpoint_formats import dequantized_from, dequantized_note
 from petals.gguf_checkpoint import GGUFCheckpoint, gguf_file
 from petals.loading import Checkpoint, CheckpointError, load_block
 from petals.local_swarm import running_swarm
@@ -166,18 +169,39 @@ def test_a_server_of_blocks_reads_only_their_tensors_in_the_serving_dtype(tiny_g
     assert {t.dtype for block in blocks for t in block.state_dict().values()} == {torch.bfloat16}
 
 
+def test_the_log_and_health_name_a_gguf_file_by_its_quant_types(tiny_gguf):
+    """A GGUF config has no quantization_config: the file itself says what was dequantized."""
+    config = AutoDistributedConfig.from_pretrained(tiny_gguf)
+    assert (
+        dequantized_from(tiny_gguf, config) == dequantized_from(tiny_gguf.parent, config) == "gguf Q8_0/F16"
+    )
+    assert dequantized_note("gguf Q8_0/F16", torch.float32, "cpu", None) == (
+        "gguf Q8_0/F16 checkpoint dequantized to float32 on cpu as its blocks load"
+    )
+
+
 @pytest.mark.slow
 def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(tiny_gguf):
     ids = torch.randint(3, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
     expected = transformers_model(tiny_gguf).generate(ids, **kwargs)
 
-    with running_swarm(tiny_gguf.parent, "0:2", "2:4") as (dht, _servers):
+    with running_swarm(tiny_gguf.parent, "0:2", "2:4") as (dht, servers):
+        for server in servers:
+            assert "gguf Q8_0/F16 checkpoint dequantized to float32 on cpu" in server.log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             tiny_gguf, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
         output = model.generate(ids, **kwargs)
         model.close()
+        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
+        health = subprocess.run(
+            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert health.stdout.count("none (gguf Q8_0/F16 dequantized)") == 2, health.stdout + health.stderr
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4

@@ -6,8 +6,9 @@ block's stored tensors (weights and their scales, under the checkpoint's names) 
 weights of the serving dtype, on CPU, at load. The block itself is then built and served as for an
 unquantized checkpoint (``--quant_type`` quantizes those weights again, if asked). On an
 accelerator too the weights stay dequantized: no format's own kernels are used, and the server's
-log line (``dequantized_note``) and ``petals health`` (``ServerInfo.dequantized_from``) say so. A
-method not in the table is refused by name; a new one is a row here and its tests.
+log line (``dequantized_note``) and ``petals health`` (``ServerInfo.dequantized_from``) say so, for a
+GGUF file too (read by ``petals.gguf_checkpoint``, named here with its quant types). A method not in
+the table is refused by name; a new one is a row here and its tests.
 
 What is ours and what is transformers': FP8 block scaling is a multiplication written here; MXFP4
 uses transformers' own ``convert_moe_packed_tensors``; GPTQ and AWQ unpacking is written by hand
@@ -17,6 +18,7 @@ kernels, which petals does not depend on (each function's docstring gives its la
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -425,17 +427,33 @@ def dequantize_tensors(
     return format.dequantize(tensors, quantization_config_of(config), dtype or serving_dtype(config))
 
 
+def dequantized_from(model_name_or_path: str | os.PathLike, config: PretrainedConfig) -> str | None:
+    """What a server's log and ``petals health`` name as the stored format its weights were dequantized
+    from: a quantized checkpoint's ``quant_method`` (``"fp8"``), ``"gguf"`` and the file's quant types
+    for a GGUF file, whose config carries no ``quantization_config`` (``"gguf Q4_K/Q6_K"``), None for
+    plain weights."""
+    from petals.gguf_checkpoint import gguf_file, gguf_quant_types
+
+    gguf = gguf_file(model_name_or_path)
+    if gguf is not None:
+        return " ".join(["gguf", "/".join(gguf_quant_types(gguf))]).strip()
+    format = checkpoint_format(config)
+    return format.name if format is not None else None
+
+
 def dequantized_note(
-    method: str, dtype: torch.dtype, device: torch.device | str, quant_type: str | None
+    stored_as: str, dtype: torch.dtype, device: torch.device | str, quant_type: str | None
 ) -> str:
     """What a server's log says about a quantized checkpoint's weights: dequantized on CPU at load,
     and on an accelerator still dequantized (no format's own kernels are used), unless ``--quant_type``
     quantizes them again with bitsandbytes."""
-    note = f"{method} checkpoint dequantized to {str(dtype).removeprefix('torch.')} on cpu as its blocks load"
+    note = (
+        f"{stored_as} checkpoint dequantized to {str(dtype).removeprefix('torch.')} on cpu as its blocks load"
+    )
     if torch.device(device).type == "cpu":
         return note
     again = f", --quant_type {quant_type} quantizes them again" if quant_type not in (None, "none") else ""
-    return f"{note}; served dequantized on {device} (no {method} kernels are used{again})"
+    return f"{note}; served dequantized on {device} (no {stored_as} kernels are used{again})"
 
 
 def serving_dtype(config: PretrainedConfig) -> torch.dtype:

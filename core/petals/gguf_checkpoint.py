@@ -23,6 +23,7 @@ tokenizer's vocabulary takes seconds, and config, weights and tokenizer each ask
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import threading
@@ -86,6 +87,13 @@ def _config_dict(key: str) -> dict[str, Any]:
 def gguf_config_dict(path: str | os.PathLike) -> dict[str, Any]:
     """The config transformers reads from a GGUF file's metadata (``model_type`` included)."""
     return dict(_config_dict(os.path.realpath(path)))
+
+
+def gguf_quant_types(path: str | os.PathLike) -> list[str]:
+    """The types a GGUF file stores its tensors in, the most used first, F32 (norms) left out:
+    ``["Q4_K", "Q6_K"]`` for a Q4_K_M build."""
+    counts = collections.Counter(tensor.tensor_type.name for tensor in reader(path).tensors)
+    return [name for name, _ in counts.most_common() if name != "F32"]
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):

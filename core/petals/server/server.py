@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 import petals
-from petals.checkpoint_formats import checkpoint_format, dequantized_note
+from petals.checkpoint_formats import dequantized_from, dequantized_note
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import (
@@ -190,7 +190,7 @@ class Server:
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
-            dequantized_from=stored.name if (stored := checkpoint_format(self.config)) is not None else None,
+            dequantized_from=dequantized_from(self.settings.model, self.config),
         )
 
     def model_info(self) -> ModelInfo:
@@ -290,12 +290,12 @@ class ServingSpan:
             revision=self.settings.revision,
             max_disk_space=self.settings.max_disk_space,
         )
-        stored_as = checkpoint_format(self.server.config)
+        stored_as = dequantized_from(self.settings.model, self.server.config)
         if stored_as is not None:
             logger.info(
                 "%s",
                 dequantized_note(
-                    stored_as.name, self.settings.dtype, self.settings.device, self.settings.quant_type
+                    stored_as, self.settings.dtype, self.settings.device, self.settings.quant_type
                 ),
             )
         backends = []
