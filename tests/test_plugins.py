@@ -6,13 +6,20 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from conftest import tiny_config
 from petals import hookimpl
 from petals.auto import AutoDistributedConfig
 from petals.config import DistributedConfigMixin, LazyClass
-from petals.plugins import DuplicateModelTypeError, PluginManager, UnknownModelTypeError, using_plugin_manager
+from petals.plugins import (
+    DuplicateModelTypeError,
+    PluginManager,
+    UnknownModelTypeError,
+    get_plugin_manager,
+    using_plugin_manager,
+)
 
 FAMILIES = {
     "bloom": "bloom",
@@ -66,6 +73,30 @@ def test_petals_plugins_lists_installed_families_with_versions():
     )  # Falcon's is the default
     assert "quantize_module" in hooks["mixtral"]
     assert "template\tpetals-template 0.1.0\tmodel types: petals_template" in result.stdout
+
+
+def test_every_registered_family_config_carries_the_four_contract_names():
+    """The seed's contract, on every family installed: ``block_class``, ``attn_class`` (the attention the
+    default cache sizing reads), ``block_prefix`` and ``num_key_value_groups``."""
+    families = get_plugin_manager().model_families()
+    assert {family.plugin for family in families.values()} >= set(FAMILIES)  # all, not none
+    lacking = {}
+    for model_type, family in sorted(families.items()):
+        config_class = family.config_class
+        names = {
+            "block_class": isinstance(config_class.block_class, type)
+            and issubclass(config_class.block_class, torch.nn.Module),
+            "attn_class": isinstance(config_class.attn_class, type)
+            and issubclass(config_class.attn_class, torch.nn.Module),
+            "block_prefix": isinstance(getattr(config_class, "block_prefix", None), str)
+            and bool(config_class.block_prefix),
+            "num_key_value_groups": isinstance(
+                getattr(config_class, "num_key_value_groups", None), property | int
+            ),
+        }
+        if missing := [name for name, carried in names.items() if not carried]:
+            lacking[model_type] = missing
+    assert lacking == {}
 
 
 def test_no_plugins_gives_a_clear_error(tmp_path):
