@@ -52,6 +52,10 @@ class RemotePastKeyValues(Cache):
 class RemoteGenerationMixin:
     """Put in front of a transformers model class whose transformer blocks are a ``RemoteSequential``."""
 
+    # transformers refuses assisted generation for models with fixed-size states (Qwen3-Next, Falcon-H1,
+    # Kimi Linear), which cannot go back to a position; the remote session can (``ServerSession.rollback``)
+    _is_stateful = False
+
     def generate(
         self, inputs: torch.Tensor | None = None, *args, session: InferenceSession | None = None, **kwargs
     ):

@@ -93,7 +93,9 @@ class InferenceSession:
         """Go back to ``position``: the next step overwrites everything from there on, on every server.
 
         Nothing is sent now: the next step carries the original Petals' ``start_from_position``, and a
-        replacement after a failover is replayed only the history up to ``position``.
+        replacement after a failover is replayed only the history up to ``position``. A server that cannot
+        go back to ``position`` (fixed-size states) goes back further and is sent the positions between
+        again with that step (``ServerSession.rollback``).
         """
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot roll back to position {position}: the session is at {self.position}")
@@ -237,6 +239,8 @@ class InferenceSession:
                 raise RuntimeError(f"no history to replay for blocks {span.start}:{span.end}")
             # a replay starts at position 0, so it carries the deep prompts sent with position 0
             hidden, prompts, hypo_ids = torch.cat([at.replay, hidden], dim=1), self._first_prompts, None
+        elif session.resent_from == 0:  # the session sends its history again, from position 0
+            prompts = self._first_prompts
         span_prompts = prompts[span.start : span.end] if prompts is not None else None
         next_servers = None if fresh or verified else self._next_servers(at.index)
         name = _server_name(at.index, len(self._sessions))
@@ -311,9 +315,13 @@ class InferenceSession:
         downstream = self._sessions[index + 1 :]
         if not downstream or any(session.position != self.position for session in downstream):
             return None
+        if self._sessions[index].resent_from is not None:  # its output is longer than the step
+            return None
         chain = []
         for sender, receiver in zip(self._sessions[index:], downstream, strict=False):
             peer = receiver.span.peer_id
+            if receiver.resent_from is not None:  # its input is longer than the step: the client sends it
+                break
             if not self.manager.may_use(peer) or not self.manager.push_pays(sender.span, peer):
                 break
             chain.append(

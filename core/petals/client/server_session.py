@@ -4,12 +4,20 @@ A ``ServerSession`` sends each step of the client's session to the server comput
 (blocks ``[start, end)``), waits for the answer within the step deadline its server has earned
 (``measurements.ServerMeasurements``), and remembers every hidden state it sent (``history``), so that a
 replacement can be replayed the same inputs when this server fails (``inference_session``).
+
+A rollback reaches the server with the next step (``start_from_position``). A server whose blocks keep a
+fixed-size state (linear attention, state-space layers) can go back only to 0 or to the start of one of
+its last few steps (``petals.kv_cache.states``), while speculative decoding rolls back into the middle of
+its last step; such a server is rewound to the latest start it keeps, and the next step sends it the
+positions from there again, from the history, in front of the new ones: no extra round trip, and its
+answer for those positions is dropped. Servers of attention alone rewind anywhere and see no change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
 import uuid
@@ -18,9 +26,12 @@ from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
+from transformers import PretrainedConfig
 
+from petals.block import cache_spec
 from petals.client.routing import RemoteSequenceManager, ServerMisbehaved
 from petals.data_structures import RemoteSpanInfo
+from petals.kv_cache import HybridSpec, LinearAttentionSpec
 from petals.network.rpc import open_inference_stream
 from petals.tracing import NO_TRACE, StepTrace
 from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
@@ -42,6 +53,7 @@ class ServerSession:
         self._history: list[torch.Tensor] = []  # everything this server was sent, step by step
         self.position = 0
         self._start_from: int | None = None  # a rollback the server learns with the next step
+        self._step_starts = StepStarts()
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self._opening_sent = False  # the first request carries the session's parameters
@@ -84,16 +96,28 @@ class ServerSession:
         """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``."""
         started = trace.now()
         hidden = tensors[0]
+        if self.resent_from is not None:
+            tensors = (torch.cat([self.history[:, self.resent_from :], hidden], dim=1), *tensors[1:])
+        sent = tensors[0]
         request = self._request(tensors, step_id, next_servers, trace.enabled)
         started = trace.add_since("client: serialization", started)
-        response = await self._exchange(request, tokens=hidden.shape[0] * hidden.shape[1])
+        response = await self._exchange(request, tokens=sent.shape[0] * sent.shape[1])
         started = trace.add_since(f"client: wait for {name}", started)
         if trace.enabled:
             self._record_server_trace(response, trace, name)
             started = trace.now()
-        output = self._accept(response, hidden)
+        output = self._accept(response, sent, hidden.shape[1])
         trace.add_since("client: serialization", started)
         return output.to(hidden.dtype)
+
+    @property
+    def resent_from(self) -> int | None:
+        """Where the next step starts if it sends the server positions again (after a rollback into the
+        middle of a step the server cannot rewind into), else None. Its inputs and outputs are then longer
+        than the step's, and start at position 0 if this is 0 (deep prompts go with position 0)."""
+        if self._start_from is not None and self._start_from < self.position:
+            return self._start_from
+        return None
 
     def _request(
         self,
@@ -167,21 +191,25 @@ class ServerSession:
                 self.manager.config.connect_timeout,
             )
 
-    def _accept(self, response: runtime_pb2.ExpertResponse, hidden: torch.Tensor) -> torch.Tensor:
-        """The server's output for ``hidden``, checked; the step now counts as done on this server."""
+    def _accept(self, response: runtime_pb2.ExpertResponse, sent: torch.Tensor, new: int) -> torch.Tensor:
+        """The server's output for the step's ``new`` positions, the last of ``sent``, checked; the step now
+        counts as done on this server."""
         if len(response.tensors) != 1:
             raise ServerMisbehaved(
                 f"server {self.span.peer_id} answered an inference step with {len(response.tensors)} tensors"
             )
         output = deserialize_tensor(response.tensors[0])
-        if output.shape != hidden.shape:
+        if output.shape != sent.shape:
             raise ServerMisbehaved(
-                f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(hidden.shape)}"
+                f"server {self.span.peer_id} returned shape {list(output.shape)} for {list(sent.shape)}"
             )
-        self._history.append(hidden)
-        self.position += hidden.shape[1]
+        resent = sent.shape[1] - new
+        self._history.append(sent[:, resent:])
+        if sent.shape[1] > 0:
+            self._step_starts.stepped(self.position - resent)
+        self.position += new
         self._start_from = None
-        return output
+        return output[:, resent:]
 
     @staticmethod
     def _record_server_trace(response: runtime_pb2.ExpertResponse, trace: StepTrace, name: str) -> None:
@@ -198,10 +226,23 @@ class ServerSession:
             self._history = [self.history[hypo_ids]]
 
     def rollback(self, position: int) -> None:
-        """Forget the positions from ``position`` on; the next step tells the server (``start_from_position``)."""
+        """Forget the positions from ``position`` on; the next step tells the server (``start_from_position``)
+        where to go back to: ``position``, or, where the server cannot go there, the latest start of a step
+        before it that the server keeps (the next step then sends it the positions from there again)."""
         if position < self.position:
             self._history = [self.history[:, :position]] if position else []
-            self.position = self._start_from = position
+            self.position = position
+            self._start_from = self._rewind_point(position)
+
+    def _rewind_point(self, position: int) -> int:
+        """``position`` if the server can rewind there, else the latest position before it that it keeps."""
+        if self._steps_kept is None:
+            return position
+        return self._step_starts.rewind_point(position, self._steps_kept)
+
+    @functools.cached_property
+    def _steps_kept(self) -> int | None:
+        return steps_kept(self.manager.config, self.span.start, self.span.end)
 
     async def close(self) -> None:
         """End the stream politely (an empty request) without waiting for the server's end of it.
@@ -216,6 +257,35 @@ class ServerSession:
         self._requests.put_nowait(None)
         responses, self._responses = self._responses, None
         spawn(_drain_briefly(responses))
+
+
+class StepStarts:
+    """Where a server's steps began, as far as a server of fixed-size states keeps them: it can rewind only
+    to 0 and to the starts of its last few steps (it copies its state before each, ``LinearAttentionState``)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+
+    def stepped(self, start: int) -> None:
+        """The server computed a step from ``start`` (a state at 0 is zeros, not a copy it keeps)."""
+        if start > 0:
+            self._starts.append(start)
+
+    def rewind_point(self, position: int, kept: int) -> int:
+        """The latest position up to ``position`` that a server keeping its last ``kept`` steps can rewind
+        to. Rewound there, the server forgets the steps from there on, and so does this."""
+        starts = self._starts[max(0, len(self._starts) - kept) :]
+        point = max((start for start in starts if start <= position), default=0)
+        self._starts = [start for start in starts if start < point]
+        return point
+
+
+def steps_kept(config: PretrainedConfig, start: int, end: int) -> int | None:
+    """How many of its last steps a server of blocks ``[start, end)`` can rewind to the start of (and to 0),
+    or None if it can rewind to any position (none of its blocks keeps a fixed-size state)."""
+    specs = (cache_spec(config, index) for index in range(start, end))
+    states = (spec.state if isinstance(spec, HybridSpec) else spec for spec in specs)
+    return min((spec.snapshots for spec in states if isinstance(spec, LinearAttentionSpec)), default=None)
 
 
 async def close_all(sessions: list[ServerSession]) -> None:
