@@ -24,6 +24,15 @@ def pip(python: Path, *args: str | Path) -> None:
     subprocess.run([python, "-m", "pip", "-q", *map(str, args)], check=True, timeout=600)
 
 
+def would_install(python: Path, report: Path, *args: str | Path) -> dict[str, dict]:
+    """What ``pip install --dry-run *args`` would install into ``python``'s environment: name -> metadata."""
+    pip(python, "install", "--dry-run", "--report", report, *args)
+    return {
+        item["metadata"]["name"].lower(): item["metadata"]
+        for item in json.loads(report.read_text())["install"]
+    }
+
+
 def test_installing_petals_keeps_the_torch_and_transformers_a_machine_has(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
@@ -31,12 +40,7 @@ def test_installing_petals_keeps_the_torch_and_transformers_a_machine_has(tmp_pa
     held = {name: lower_end(name) for name in KEPT}
     pip(python, "install", "--no-deps", *(f"{name}=={version}" for name, version in held.items()))
 
-    report = tmp_path / "report.json"
-    pip(python, "install", "--dry-run", "--report", report, ROOT / "core", ROOT / "petals_llama")
-    would_install = {
-        item["metadata"]["name"].lower(): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
-    }
-    assert {"petals-core", "petals-llama", "hivemind"} <= set(would_install)
-    replaced = {name: would_install[name] for name in KEPT if name in would_install}
+    would = would_install(python, tmp_path / "report.json", ROOT / "core", ROOT / "petals_llama")
+    assert {"petals-core", "petals-llama", "hivemind"} <= set(would)
+    replaced = {name: would[name]["version"] for name in KEPT if name in would}
     assert replaced == {}, f"pip would replace {replaced} installed as {held}"
