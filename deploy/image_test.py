@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
+    import torch
+
     from petals.local_swarm import ServerProcess
 
 DEPLOY = Path(__file__).resolve().parent
@@ -563,13 +565,11 @@ def check_generation(model: Path, initial_peers: list[str], servers: set[str], c
     from petals import AutoDistributedModelForCausalLM
     from petals.cli.demo import QUESTION
     from petals.cli.generate import encode
-    from petals.gguf_checkpoint import local_model
     from petals.network.client import LOOPBACK_CLIENT
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs = encode(tokenizer, QUESTION, chat=chat)
-    local = local_model(model, dtype=torch.float32)  # the demo's folder holds a GGUF file
-    expected = local.generate(**inputs, max_new_tokens=DEMO_MAX_NEW_TOKENS, do_sample=False)
+    expected = reference_answer(model, inputs)
     remote = AutoDistributedModelForCausalLM.from_pretrained(
         model, initial_peers=initial_peers, **LOOPBACK_CLIENT
     )
@@ -585,6 +585,18 @@ def check_generation(model: Path, initial_peers: list[str], servers: set[str], c
         torch.equal(got, expected),
         f"its {got.shape[1] - prompt_length} tokens equal the model's greedy answer in one process",
     )
+
+
+def reference_answer(model: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The demo's greedy answer from plain transformers in this process: the model folder holds a GGUF
+    file (as the demo prepares it) or a Hugging Face checkpoint."""
+    import torch
+
+    from petals.gguf_checkpoint import local_model
+
+    local = local_model(model, dtype=torch.float32)
+    with torch.inference_mode():
+        return local.generate(**inputs, max_new_tokens=DEMO_MAX_NEW_TOKENS, do_sample=False)
 
 
 def check_stop(

@@ -96,3 +96,22 @@ def test_the_swarm_helpers_run_a_server_configured_as_the_image_s(tiny_model_wit
         image_test.checked_server(served, os.getuid(), volume, "2:4")
         image_test.check_generation(model, dht.initial_peers, {host.peer_id, served.peer_id}, chat=False)
         image_test.check_stop("SIGTERM", served, model, dht.initial_peers, "2:4")
+
+
+@pytest.mark.slow
+def test_the_reference_answer_reads_the_demo_folder_as_the_demo_prepares_it():
+    """The host-side reference of ``check_generation`` on the demo's prepared folder, which holds a GGUF
+    file and no config.json: loading it as a Hugging Face folder broke ``make image-test``."""
+    from transformers import AutoTokenizer
+
+    from petals.cli.demo import QUESTION
+    from petals.cli.generate import encode
+    from petals.demo_model import prepare_demo_model
+
+    model = prepare_demo_model()  # the default cache, as test_api and test_cli_chat use it
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    inputs = encode(tokenizer, QUESTION, chat=True)
+    answer = image_test.reference_answer(model, inputs)
+    prompt_length = inputs["input_ids"].shape[1]
+    assert prompt_length < answer.shape[1] <= prompt_length + image_test.DEMO_MAX_NEW_TOKENS
+    assert "Paris" in tokenizer.decode(answer[0, prompt_length:])
