@@ -31,7 +31,6 @@ from transformers import PretrainedConfig
 from petals.block import cache_spec
 from petals.client.routing import RemoteSequenceManager, ServerMisbehaved
 from petals.data_structures import RemoteSpanInfo
-from petals.kv_cache import HybridSpec, LinearAttentionSpec
 from petals.network.rpc import open_inference_stream
 from petals.tracing import NO_TRACE, StepTrace
 from petals.wire import deserialize_tensor, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
@@ -283,9 +282,8 @@ class StepStarts:
 def steps_kept(config: PretrainedConfig, start: int, end: int) -> int | None:
     """How many of its last steps a server of blocks ``[start, end)`` can rewind to the start of (and to 0),
     or None if it can rewind to any position (none of its blocks keeps a fixed-size state)."""
-    specs = (cache_spec(config, index) for index in range(start, end))
-    states = (spec.state if isinstance(spec, HybridSpec) else spec for spec in specs)
-    return min((spec.snapshots for spec in states if isinstance(spec, LinearAttentionSpec)), default=None)
+    steps = (cache_spec(config, index).rewind_steps for index in range(start, end))
+    return min((kept for kept in steps if kept is not None), default=None)
 
 
 async def close_all(sessions: list[ServerSession]) -> None:

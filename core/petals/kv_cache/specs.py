@@ -56,6 +56,12 @@ class CacheSpec:
         """The most tokens a sequence of ``length`` tokens ever holds in this cache."""
         return length
 
+    @property
+    def rewind_steps(self) -> int | None:
+        """None: a session rewinds to any position it has cached; else it rewinds only to 0 and to the
+        starts of its last ``rewind_steps`` steps (a fixed-size state keeps a copy before each)."""
+        return None
+
     def describe(self) -> str:
         return self.kind.replace("_", " ")
 
@@ -207,6 +213,10 @@ class LinearAttentionSpec(CacheSpec):
     def tokens_held(self, length: int) -> int:
         return 0
 
+    @property
+    def rewind_steps(self) -> int:
+        return self.snapshots
+
     def describe(self) -> str:
         return "short convolution" if self.recurrent_shape is None else super().describe()
 
@@ -238,6 +248,10 @@ class HybridSpec(CacheSpec):
 
     def tokens_held(self, length: int) -> int:
         return self.attention.tokens_held(length)
+
+    @property
+    def rewind_steps(self) -> int:
+        return self.state.rewind_steps
 
     def describe(self) -> str:
         return f"{self.attention.describe()} and {self.state.describe()}"
