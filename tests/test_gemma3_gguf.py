@@ -1,8 +1,15 @@
 """A real model served: Gemma 3 270M (Q4_K_M GGUF from PyPI) through three ``petals serve`` processes,
-greedy tokens equal to transformers loading the same file, past its 512-token sliding window."""
+greedy tokens equal to transformers loading the same file, past its 512-token sliding window; and
+``petals demo --model gemma3``, which serves it the same way and prints each server's cache."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GgufConfig
@@ -20,8 +27,16 @@ if missing:
     pytest.skip(missing, allow_module_level=True)
 
 
-def test_greedy_tokens_through_three_servers_equal_transformers_past_the_sliding_window(tmp_path):
-    folder = prepare_demo_model(tmp_path, GEMMA3)
+@pytest.fixture(scope="module")
+def gemma3_cache(tmp_path_factory):
+    """A cache folder holding the assembled GGUF file, assembled once for this module's tests."""
+    cache_dir = tmp_path_factory.mktemp("petals-cache")
+    prepare_demo_model(cache_dir, GEMMA3)
+    return cache_dir
+
+
+def test_greedy_tokens_through_three_servers_equal_transformers_past_the_sliding_window(gemma3_cache):
+    folder = prepare_demo_model(gemma3_cache, GEMMA3)  # prepared already: the folder at once
     gguf = folder / GEMMA3.gguf_file
     from transformers import AutoTokenizer
 
@@ -36,7 +51,7 @@ def test_greedy_tokens_through_three_servers_equal_transformers_past_the_sliding
         dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     ).eval()
-    assert reference.config.sliding_window == 512
+    assert reference.config.model_type == "gemma3_text" and reference.config.sliding_window == 512
     kwargs = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
     expected = [
         reference.generate(long_prompt, max_new_tokens=4, **kwargs),
@@ -59,3 +74,33 @@ def test_greedy_tokens_through_three_servers_equal_transformers_past_the_sliding
         assert torch.equal(output.sequences, want.sequences)
         diff = max((a - b).abs().max().item() for a, b in zip(output.logits, want.logits, strict=True))
         assert diff < 1e-3
+
+
+def test_the_demo_answers_and_prints_each_servers_cache_beside_full_attention(gemma3_cache):
+    result = subprocess.run(
+        [sys.executable, "-m", "petals.cli", "demo", "--model", "gemma3", "--cache_dir", str(gemma3_cache)]
+        + ["--max_new_tokens", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "first run only" not in result.stdout  # the fixture assembled the model
+    answer = next(line for line in result.stdout.splitlines() if line.startswith("A: "))
+    assert "Poland" in answer, result.stdout  # "Warsaw is the capital of" Poland, greedily
+    # one line per server: MiB held, MiB with full attention, the ratio; sliding layers hold their window
+    cache_lines = re.findall(
+        r"blocks +(\d+):(\d+) +[\d.]+ MiB held, +[\d.]+ MiB with full attention \(([\d.]+)x\)  \[(.*)\]",
+        result.stdout,
+    )
+    assert [(int(start), int(end)) for start, end, _, _ in cache_lines] == [(0, 6), (6, 12), (12, 18)]
+    for _, _, ratio, kinds in cache_lines:
+        assert float(ratio) > 1 and kinds == "full attention, sliding attention (512)", result.stdout
+    assert "Done." in result.stdout
+    leftovers = [
+        p.info
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(gemma3_cache) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
