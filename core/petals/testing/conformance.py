@@ -16,7 +16,8 @@ only:
    one with ``load_block`` (each its real layer index) → head, without a cache and through a
    prefill, single-token steps and a multi-token step, past every sliding window the config
    declares, with the blocks split over two independent sets of caches as two servers would hold
-   them; then a beam reorder (``hypo_ids``) and a rewind (``start_from_position``);
+   them; then a beam reorder (``hypo_ids``), a rewind (``start_from_position``) and a failover: the
+   session's whole history replayed as one step onto fresh caches, then its next step;
 5. batching (fp32): sessions of different lengths and batch sizes, starting at different times, with
    their caches in pages of one shared pool per block, run their steps merged into one forward per
    block, and each session's outputs equal its own solo run (including a reorder and a rewind).
@@ -245,11 +246,8 @@ def _check_exactness(
     with torch.no_grad():
         full_sequence = torch.cat(inputs, dim=1)
         chain.caches = None
-        compare(
-            "forward without cache",
-            reference(input_ids=full_sequence, use_cache=False).logits,
-            ours(full_sequence),
-        )
+        without_cache = reference(input_ids=full_sequence, use_cache=False).logits
+        compare("forward without cache", without_cache, ours(full_sequence))
 
         reference_cache = DynamicCache(config=reference.config)
         server_caches = _open_caches(specs, batch_size, schedule.max_length)
@@ -274,6 +272,13 @@ def _check_exactness(
         for cache in server_caches:
             cache.rewind(cache.position - 1)
         compare("step replayed after rewind", expected, ours(next_ids))
+
+        # failover: a fresh server is handed the session's whole history (its beams reordered) as one
+        # step, as the client replays it, then computes the next step as the lost server did
+        chain.caches = _open_caches(specs, batch_size, schedule.max_length)
+        history = full_sequence[hypo_ids]
+        compare("history replayed onto fresh caches", without_cache[hypo_ids], ours(history))
+        compare("step after the replayed history", expected, ours(next_ids))
 
 
 def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) -> None:
