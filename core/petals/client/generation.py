@@ -52,8 +52,9 @@ class RemotePastKeyValues(Cache):
 class RemoteGenerationMixin:
     """Put in front of a transformers model class whose transformer blocks are a ``RemoteSequential``."""
 
-    # transformers refuses assisted generation for models with fixed-size states (Qwen3-Next, Falcon-H1,
-    # Kimi Linear), which cannot go back to a position; the remote session can (``ServerSession.rollback``)
+    # transformers refuses assisted generation for models with fixed-size states (linear attention,
+    # state-space layers), which cannot go back to a position; the remote session can
+    # (``ServerSession.rollback``)
     _is_stateful = False
 
     def generate(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -230,14 +231,7 @@ def _check_exactness(
     chain = _TwoServers(blocks, config.block_output_is_tuple)
     half = len(blocks) // 2
 
-    def compare(name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-        assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
-        diff = (got - expected).abs().max().item()
-        report.max_abs_diff[name] = diff
-        assert diff <= atol, (
-            f"{config.model_type} {name}: max |logits diff| {diff:.3g} > {atol} (blocks: "
-            f"{_implementations(blocks[0])}; transformers' model: {_implementations(reference)})"
-        )
+    compare = functools.partial(_compare_logits, report, config.model_type, atol, blocks[0], reference)
 
     def ours(input_ids: torch.Tensor) -> torch.Tensor:
         with _layers_replaced(reference, config.block_prefix, chain):
@@ -279,6 +273,27 @@ def _check_exactness(
         history = full_sequence[hypo_ids]
         compare("history replayed onto fresh caches", without_cache[hypo_ids], ours(history))
         compare("step after the replayed history", expected, ours(next_ids))
+
+
+def _compare_logits(
+    report: ConformanceReport,
+    model_type: str,
+    atol: float,
+    block: torch.nn.Module,
+    reference: PreTrainedModel,
+    name: str,
+    expected: torch.Tensor,
+    got: torch.Tensor,
+) -> None:
+    """Record the largest difference of ``got`` from ``expected``; fail above ``atol``, naming the attention
+    and experts implementations of the block and of transformers' model."""
+    assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    diff = (got - expected).abs().max().item()
+    report.max_abs_diff[name] = diff
+    assert diff <= atol, (
+        f"{model_type} {name}: max |logits diff| {diff:.3g} > {atol} (blocks: "
+        f"{_implementations(block)}; transformers' model: {_implementations(reference)})"
+    )
 
 
 def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) -> None:
