@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig
+from transformers import DeepseekV3Config, Qwen3_5TextConfig
 
 from conftest import tiny_config
 from petals.auto import AutoDistributedConfig
@@ -69,9 +69,10 @@ def test_a_model_of_mixed_kinds_is_planned_by_each_blocks_own_cache():
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     )  # fmt: skip
     config = get_plugin_manager().family("qwen3_5_text").config_class.from_dict(text.to_dict())
-    weights = estimate_block_weight_bytes(config, torch.float32)
     linear, full = (
-        weights + cache_spec(config, index).budget_bytes(16384, torch.float32) for index in (0, 3)
+        estimate_block_weight_bytes(config, torch.float32, block_index=index)
+        + cache_spec(config, index).budget_bytes(16384, torch.float32)
+        for index in (0, 3)
     )
     assert 3 * linear < full  # so that the largest block's cost for every block would plan fewer
 
@@ -88,6 +89,30 @@ def test_a_model_of_mixed_kinds_is_planned_by_each_blocks_own_cache():
         ValueError, match=r"not even one block fits: .* \+ 0.001 GiB to 0.004 GiB KV cache for 16384"
     ):
         plan(full - 1)
+
+
+def test_blocks_are_planned_by_their_own_weights_dense_or_experts():
+    """DeepSeek V3: a dense first block, then blocks of experts (20x its parameters at full size): the
+    plan counts each block's weights, not block 0's for all."""
+    text = DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=128, n_routed_experts=16,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+    )  # fmt: skip
+    config = get_plugin_manager().family("deepseek_v3").config_class.from_dict(text.to_dict())
+    cache = cache_spec(config, 0).budget_bytes(1024, torch.float32)
+    dense, experts = (estimate_block_weight_bytes(config, torch.float32, block_index=i) for i in (0, 1))
+    assert experts > 4 * dense
+
+    def plan(memory: int) -> tuple[int, str]:
+        return plan_num_blocks(
+            config, "cpu", torch.float32, attn_cache_tokens=1024, memory_bytes=AUTOGRAD_RESERVE + memory
+        )
+
+    assert plan(3 * (experts + cache))[0] == 3  # any three consecutive blocks: two or three of experts
+    assert plan(3 * (experts + cache) - 1)[0] == 2  # block 0's weights for all would have planned 4
+    assert f"{dense / GiB:.3f} GiB to {experts / GiB:.3f} GiB weights" in plan(experts + cache)[1]
 
 
 def test_plan_is_capped_by_the_model_and_uses_host_ram_on_cpu(llama_config):

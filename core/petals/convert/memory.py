@@ -38,9 +38,11 @@ QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "nf4": 4.25 / 8}
 
 
 def estimate_block_weight_bytes(
-    config: PretrainedConfig, dtype: torch.dtype, quant_type: str = "none"
+    config: PretrainedConfig, dtype: torch.dtype, quant_type: str = "none", block_index: int = 0
 ) -> int:
-    """What ``block_weight_bytes`` will report for one block of ``config`` after conversion, without building it.
+    """What ``block_weight_bytes`` will report for block ``block_index`` of ``config`` after conversion,
+    without building it (blocks differ by index: DeepSeek V3's first is dense, 0.58B parameters, its
+    others 11.5B with their experts).
 
     Matrices (2-D and 3-D expert weights) take the quantized size, vectors (norms, biases) ``dtype``;
     int8 adds its per-row fp32 scale. Built on the meta device, so it allocates nothing.
@@ -48,7 +50,7 @@ def estimate_block_weight_bytes(
     from petals.block import make_block
 
     with torch.device("meta"):
-        block = make_block(config)
+        block = make_block(config, block_index)
     total = 0.0
     for parameter in block.parameters():
         if quant_type == "none" or parameter.ndim < 2:

@@ -248,23 +248,22 @@ def plan_num_blocks(
     attn_cache_tokens = attn_cache_tokens or default_limits(config).attn_cache_tokens
     if memory_bytes is None:
         memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
-    weights = estimate_block_weight_bytes(config, dtype, quant_type)
-    # each block's own cache: a pool of attn_cache_tokens tokens of its kind (a block of states keeps less)
-    caches = [
-        cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype)
-        for index in range(config.num_hidden_layers)
-    ]
+    # each block's own weights (dense or experts by index) and cache: a pool of attn_cache_tokens tokens
+    # of its kind (a block of states keeps less)
+    blocks = range(config.num_hidden_layers)
+    weights = [estimate_block_weight_bytes(config, dtype, quant_type, index) for index in blocks]
+    caches = [cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype) for index in blocks]
     adapters = adapter_bytes_per_block(config, adapter_files)
     autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
     num_blocks = most_consecutive_blocks(
-        [weights + cache + adapters for cache in caches], memory_bytes - autograd
+        [weight + cache + adapters for weight, cache in zip(weights, caches, strict=True)],
+        memory_bytes - autograd,
     )
-    cache = _gib(min(caches)) if min(caches) == max(caches) else f"{_gib(min(caches))} to {_gib(max(caches))}"
     explanation = (
         f"{num_blocks} blocks = the most consecutive of the model's {config.num_hidden_layers} that fit in "
         f"{_gib(memory_bytes)} memory on {', '.join(map(str, devices))} - {_gib(autograd)} autograd reserve; "
-        f"per block: {_gib(weights)} weights ({quant_type}, {str(dtype).removeprefix('torch.')}) "
-        f"+ {cache} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
+        f"per block: {_gib_range(weights)} weights ({quant_type}, {str(dtype).removeprefix('torch.')}) "
+        f"+ {_gib_range(caches)} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
     )
     logger.info("Memory plan: %s", explanation)
     if num_blocks < 1:
@@ -291,3 +290,9 @@ def most_consecutive_blocks(costs: Sequence[int], budget: int) -> int:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.3f} GiB"
+
+
+def _gib_range(sizes: Sequence[int]) -> str:
+    """One size where all blocks take the same, else the smallest to the largest."""
+    low, high = min(sizes), max(sizes)
+    return _gib(low) if low == high else f"{_gib(low)} to {_gib(high)}"
