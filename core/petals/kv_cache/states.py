@@ -17,7 +17,9 @@ A state cannot be truncated, so a rewind restores a snapshot: before each step t
 copied into the slot's ring of snapshots, and a rewind to the start of one of the last
 ``spec.snapshots`` steps (or to 0) is exact; any other position is refused in one line. Rewinding
 inside a multi-token step (a speculative step of several draft tokens, partly accepted) would need a
-state per token, which the layer does not produce: it is refused too.
+state per token, which the layer does not produce: the server refuses it too, and the client rewinds
+to that step's start instead and sends the accepted positions again with its next step
+(``petals.client.server_session``, which learns how far a block rewinds from ``spec.rewind_steps``).
 
 Snapshots or recomputation? Recomputing would keep a checkpoint state and the block's inputs since
 (4 KiB a token in bf16 for Qwen3-Next-80B) and replay the block on a rewind. Measured on this
