@@ -186,7 +186,7 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
     expected = transformers_model(tiny_gguf).generate(ids, **kwargs)
 
-    with running_swarm(tiny_gguf.parent, "0:2", "2:4") as (dht, servers):
+    with running_swarm(tiny_gguf, "0:2", "2:4") as (dht, servers):  # the file itself, as a user names it
         for server in servers:
             assert "gguf Q8_0/F16 checkpoint dequantized to float32 on cpu" in server.log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
@@ -202,6 +202,7 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
             timeout=120,
         )
     assert health.stdout.count("none (gguf Q8_0/F16 dequantized)") == 2, health.stdout + health.stderr
+    assert "huggingface.co" not in health.stdout and tiny_gguf.name not in health.stdout, health.stdout
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4

@@ -32,10 +32,15 @@ def is_path_like(name: str) -> bool:
 
 
 def check_local_path(name: str, what: str = "model") -> None:
-    """A name written as a path (``./x``, ``/x``, ``~/x``) must be a directory; others are repo ids."""
-    if is_path_like(name) and not Path(name).expanduser().is_dir():
+    """A name written as a path (``./x``, ``/x``, ``~/x``) must be a directory, or for a model a GGUF file
+    (served as it is, ``petals.gguf_checkpoint``); others are repo ids."""
+    path = Path(name).expanduser()
+    gguf = what == "model" and path.is_file() and path.suffix == ".gguf"
+    if is_path_like(name) and not (path.is_dir() or gguf):
+        also = ", a .gguf file" if what == "model" else ""
         raise ModelNotFoundError(
-            f"{what} {name}: no such directory; give an existing directory or a Hugging Face repo id (org/name)"
+            f"{what} {name}: no such directory; give an existing directory{also} or a Hugging Face repo id "
+            "(org/name)"
         )
 
 

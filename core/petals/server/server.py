@@ -195,7 +195,8 @@ class Server:
 
     def model_info(self) -> ModelInfo:
         model = self.settings.model
-        repository = None if Path(model).is_dir() else f"https://huggingface.co/{model}"
+        # a local folder or file (a GGUF) has no public page; a hub id does
+        repository = None if Path(model).exists() else f"https://huggingface.co/{model}"
         return ModelInfo(num_blocks=self.total_blocks, repository=repository)
 
 
