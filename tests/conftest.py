@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -370,6 +372,17 @@ def swarm_with_processes(
             else:
                 server.wait_ready()
         yield dht, servers
+
+
+def petals_health(initial_peers: list[str], *args: str) -> subprocess.CompletedProcess:
+    """``petals health --loopback`` of the swarm that ``initial_peers`` lead to, its output captured."""
+    peers = [item for peer in initial_peers for item in ("--initial_peers", peer)]
+    return subprocess.run(
+        [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 class KillServingServer(StoppingCriteria):

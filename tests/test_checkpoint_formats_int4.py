@@ -18,8 +18,6 @@ dequantized by the specification's formula, saved in float32 and loaded by plain
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from test_checkpoint_formats import MAX_RELATIVE_ERROR, QUANTIZED_LINEAR, save_b
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
 import petals
-from conftest import LOOPBACK_CLIENT, save_random_model, tiny_config
+from conftest import LOOPBACK_CLIENT, petals_health, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.checkpoint_formats import CheckpointFormatError, dequantize_awq, dequantize_gptq, dequantized_note
 from petals.convert import convert_block
@@ -378,13 +376,7 @@ def test_greedy_tokens_through_two_servers_equal_transformers(checkpoint, layout
         )
         output = model.generate(ids, **kwargs)
         model.close()
-        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
-        health = subprocess.run(
-            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        health = petals_health(dht.initial_peers)
     assert health.stdout.count(f"none ({method} dequantized)") == 2, health.stdout + health.stderr
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
@@ -415,13 +407,7 @@ def test_a_server_quantizes_a_gptq_checkpoint_again_with_quant_type(checkpoint):
         )
         logits = model(ids).logits
         model.close()
-        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
-        health = subprocess.run(
-            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        health = petals_health(dht.initial_peers)
     assert "int8 (gptq dequantized)" in health.stdout, health.stdout + health.stderr
     expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)(ids).logits
     assert (logits - expected).norm() / expected.norm() < MAX_RELATIVE_ERROR["int8"]

@@ -8,8 +8,6 @@ embeddings in F16, norms in F32. The reference is transformers loading the same 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
 
 import petals
-from conftest import LOOPBACK_CLIENT
+from conftest import LOOPBACK_CLIENT, petals_health
 from petals.auto import AutoDistributedConfig
 from petals.block import make_block
 from petals.checkpoint_formats import dequantized_from, dequantized_note
@@ -194,13 +192,7 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
         )
         output = model.generate(ids, **kwargs)
         model.close()
-        peers = [item for peer in dht.initial_peers for item in ("--initial_peers", peer)]
-        health = subprocess.run(
-            [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        health = petals_health(dht.initial_peers)
     assert health.stdout.count("none (gguf Q8_0/F16 dequantized)") == 2, health.stdout + health.stderr
     assert "huggingface.co" not in health.stdout and tiny_gguf.name not in health.stdout, health.stdout
     assert torch.equal(output.sequences, expected.sequences)

@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import petals
-from conftest import launch_chromium
+from conftest import launch_chromium, petals_health
 from petals.cli.health import CLEAR_SCREEN
 from petals.testing.swarm import InProcessDht, InProcessServer, SwarmProcess, start_monitor, start_server
 from petals.testing.wire_client import WireClient
@@ -194,13 +193,7 @@ def rows_by_peer(state: dict, dht_prefix: str) -> dict[str, dict]:
 
 
 def run_health(swarm, *args: str) -> subprocess.CompletedProcess:
-    peers = [item for peer in swarm["peers"] for item in ("--initial_peers", peer)]
-    return subprocess.run(
-        [sys.executable, "-m", "petals.cli", "health", "--loopback", *peers, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return petals_health(swarm["peers"], *args)
 
 
 def first_state_fetched_after(url: str, moment: float) -> dict:
