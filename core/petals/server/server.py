@@ -61,6 +61,8 @@ class Server:
         (``ServerMetrics.serve``) or none."""
         self.settings, self.metrics = settings, metrics
         self.config = settings.load_config()
+        # the stored format its weights are dequantized from (log, health), None for plain weights
+        self.stored_as = dequantized_from(settings.model, self.config)
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
         self.all_uids = make_uids(self.dht_prefix, 0, self.total_blocks)
@@ -190,7 +192,7 @@ class Server:
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
-            dequantized_from=dequantized_from(self.settings.model, self.config),
+            dequantized_from=self.stored_as,
         )
 
     def model_info(self) -> ModelInfo:
@@ -291,7 +293,7 @@ class ServingSpan:
             revision=self.settings.revision,
             max_disk_space=self.settings.max_disk_space,
         )
-        stored_as = dequantized_from(self.settings.model, self.server.config)
+        stored_as = self.server.stored_as
         if stored_as is not None:
             logger.info(
                 "%s",
