@@ -76,7 +76,7 @@ class NetworkOptions:
         apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
         extra = dict(self.extra)
         if extra.pop("check_if_identity_free", True):
-            await self._refuse_identity_in_use()
+            await self.refuse_identity_in_use()
         with p2pd_started_apart() as started:
             try:
                 p2p = await P2P.create(
@@ -106,7 +106,7 @@ class NetworkOptions:
         _daemon_of[p2p] = started[-1]
         return p2p
 
-    async def _refuse_identity_in_use(self) -> None:
+    async def refuse_identity_in_use(self) -> None:
         """Raise ``IdentityInUseError`` if a peer with ``identity_path``'s peer id is online in the swarm.
 
         hivemind checks this too (``check_if_identity_free``), but starts its probe peer with NAT port
