@@ -121,7 +121,7 @@ def test_decode_steps_of_sessions_merge_into_one_batch_and_equal_their_solo_runs
         torch.testing.assert_close(future.result(), expected[1], atol=1e-5, rtol=0)
 
 
-def test_a_long_prefill_runs_block_by_block_in_chunks_and_decode_steps_slip_in(engine, blocks):
+def test_a_long_prefill_runs_in_chunks_through_every_block_and_decode_steps_slip_in(engine, blocks):
     long_prefill = torch.randn(1, 2 * PREFILL_CHUNK_TOKENS + 10, 64)
     decoder, args = open_session(engine, torch.randn(1, 1, 64))
     engine.inference_step(decoder, args, {})
@@ -130,7 +130,7 @@ def test_a_long_prefill_runs_block_by_block_in_chunks_and_decode_steps_slip_in(e
     prefill = engine.inference_step(prefiller, args, {})
     first = engine.schedule(0.0)  # the prefill's rewind/reorder task
     engine.step(first)
-    engine.step(engine.schedule(0.0))  # its first chunk of the first block
+    engine.step(engine.schedule(0.0))  # its first chunk, in the first block
     decode = engine.inference_step(decoder, engine.step_args(decoder, {}, [torch.randn(1, 1, 64)]), {})
     order = [batch.tasks[0].priority for batch in drain(engine)]
     assert order[0] == Priority.DECODE and decode.done()  # the decode step came before the prefill's rest

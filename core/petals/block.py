@@ -29,7 +29,7 @@ from transformers.masking_utils import (
 )
 
 from petals.kv_cache import CacheSpec, PagedCache, SessionCache, open_cache
-from petals.kv_cache.specs import layer_kind
+from petals.kv_cache.specs import kv_source, layer_kind
 
 # per compute thread: what the previous block computed for its step, {name: (key, value)}
 _STEP_VALUES = threading.local()
@@ -69,6 +69,9 @@ class ServerBlockMixin:
         self._config_key = (type(self), self.rotary_class, self.layer_type, _config_json(config))
         # read once: config attribute access is slow, and steps ask per block
         self._sdpa_full_attention = config._attn_implementation == "sdpa" and not self.uses_sliding_window
+        # a layer that stores or reuses keys and values shared in one pass takes them as transformers'
+        # model hands them on: one dict, ``shared_kv_states``, from layer to layer (``shared_kv_kwargs``)
+        self.takes_shared_kv_states = "shared_kv_states" in inspect.signature(super().forward).parameters
 
     def __call__(self, hidden_states: torch.Tensor, cache=None, *args, **kwargs):
         """The block's forward; then a cache that keeps a state the layer may have updated in place (a
@@ -194,7 +197,10 @@ class RotaryBlockMixin(ServerBlockMixin):
     and write their own ``forward``.
     """
 
-    def forward(self, hidden_states: torch.Tensor, cache: PagedCache | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cache: PagedCache | None = None, **layer_kwargs
+    ) -> torch.Tensor:
+        """``layer_kwargs``: what core hands on between the blocks of one pass (``shared_kv_kwargs``)."""
         position_ids = self.position_ids(hidden_states, cache)
         return super().forward(
             hidden_states,
@@ -203,13 +209,34 @@ class RotaryBlockMixin(ServerBlockMixin):
             cache=cache,
             use_cache=cache is not None,
             position_embeddings=self.rotary_embeddings(hidden_states, position_ids, cache),
+            **layer_kwargs,
         )
+
+
+def shared_kv_kwargs(module: torch.nn.Module, shared: dict | None) -> dict:
+    """What a block's call adds for the keys and values layers of one pass share: ``shared_kv_states``
+    (``shared``: one dict per pass over a span, handed to each of its blocks in order; None: this block
+    runs alone) where the block's layer takes it, else nothing."""
+    if not getattr(module, "takes_shared_kv_states", False):
+        return {}
+    return {"shared_kv_states": {} if shared is None else shared}
 
 
 def layer_type(config: PretrainedConfig, block_index: int) -> str:
     """The kind of layer ``block_index`` is, as transformers names it (``full_attention``,
-    ``sliding_attention``, ``chunked_attention``, ``linear_attention``, ...)."""
+    ``sliding_attention``, ``chunked_attention``, ``linear_attention``, ...); a layer that reuses an
+    earlier layer's keys and values attends as its type says (transformers' cache calls it "dummy")."""
+    if kv_source(config, block_index) is not None:
+        return config.layer_types[block_index]
     return layer_kind(config, block_index)[0]
+
+
+def closed_boundaries(config: PretrainedConfig) -> frozenset[int]:
+    """Where no span of the model's blocks may begin or end: between a layer and a later one that
+    reuses its keys and values (``petals.kv_cache.closed_boundaries`` over every block's spec)."""
+    from petals.kv_cache import closed_boundaries as closed_between
+
+    return closed_between([cache_spec(config, index) for index in range(config.num_hidden_layers)])
 
 
 def cache_spec(config: PretrainedConfig, block_index: int) -> CacheSpec:

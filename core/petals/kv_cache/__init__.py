@@ -20,7 +20,9 @@ a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.k
 with or without a recurrent state (a short convolution keeps only its inputs). A hybrid layer
 (``HybridSpec``: a state-space mixer beside attention) keeps both, in a pool of each (``HybridPool``).
 Indexed attention (``IndexedAttentionSpec``: a sparse-attention indexer beside attention) keeps its
-indexer's keys in the same pages as its keys and values (``petals.kv_cache.indexed``).
+indexer's keys in the same pages as its keys and values (``petals.kv_cache.indexed``). A layer that
+reuses an earlier layer's keys and values (``SharedKVSpec``) keeps nothing (``petals.kv_cache.shared``);
+``closed_boundaries`` says where spans of blocks must not split it from its source.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from petals.kv_cache.attention import (
 )
 from petals.kv_cache.indexed import IndexedAttentionCache, IndexedPagedCache, IndexedPagePool
 from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, OutOfPagesError, PagePool
+from petals.kv_cache.shared import SharedKVCache, SharedKVPool
 from petals.kv_cache.specs import (
     REWIND_MARGIN,
     REWIND_STEPS,
@@ -49,9 +52,13 @@ from petals.kv_cache.specs import (
     HybridSpec,
     IndexedAttentionSpec,
     LinearAttentionSpec,
+    SharedKVSpec,
     SlidingWindowSpec,
     UnservedSpec,
+    check_span,
+    closed_boundaries,
     describe_block,
+    kv_source,
 )
 from petals.kv_cache.states import (
     HybridCache,
@@ -70,6 +77,7 @@ MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState
     IndexedAttentionSpec: IndexedAttentionCache,
     LinearAttentionSpec: LinearAttentionState,
     HybridSpec: HybridCache,
+    SharedKVSpec: SharedKVCache,
 }
 
 
@@ -112,7 +120,8 @@ def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache
 
 def pool_parts(pool: PagePool | StatePool | HybridPool) -> tuple[PagePool | StatePool, ...]:
     """The pools ``pool`` is made of: itself, or a hybrid block's pages and states (each with its own
-    unit, free count and ``on_free``), which the server's budget checks one by one."""
+    unit, free count and ``on_free``), which the server's budget checks one by one; none for a block
+    that reuses another's keys and values."""
     return getattr(pool, "parts", (pool,))
 
 
@@ -161,6 +170,9 @@ __all__ = [
     "PagedLayer",
     "RowsCache",
     "SessionCache",
+    "SharedKVCache",
+    "SharedKVPool",
+    "SharedKVSpec",
     "SlidingWindowCache",
     "SlidingWindowSpec",
     "StateCache",
@@ -168,7 +180,10 @@ __all__ = [
     "UnservedCacheKindError",
     "UnservedSpec",
     "check_hypo_ids",
+    "check_span",
+    "closed_boundaries",
     "describe_block",
+    "kv_source",
     "manager_for",
     "open_cache",
     "pool_parts",

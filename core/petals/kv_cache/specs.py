@@ -16,6 +16,7 @@ from what transformers' layers cache (DeepSeek's latent attention) returns its o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,6 +61,12 @@ class CacheSpec:
     def rewind_steps(self) -> int | None:
         """None: a session rewinds to any position it has cached; else it rewinds only to 0 and to the
         starts of its last ``rewind_steps`` steps (a fixed-size state keeps a copy before each)."""
+        return None
+
+    @property
+    def reads_from(self) -> int | None:
+        """The earlier layer whose keys and values, computed in the same forward, this layer attends with
+        (None: its own). Blocks between the two never go to separate servers."""
         return None
 
     def describe(self) -> str:
@@ -258,6 +265,33 @@ class HybridSpec(CacheSpec):
 
 
 @dataclass(frozen=True)
+class SharedKVSpec(CacheSpec):
+    """A layer that caches nothing: it attends with the keys and values layer ``source`` computed in the
+    same forward (transformers' ``kv_sharing_modes``: Gemma 4's last layers "reuse" those of the last
+    layer of their type that "stores"). ``attention`` is the source's spec: which tokens the keys cover
+    (a sliding source's window), hence this layer's mask. A server runs it only in one pass with its
+    source: no span of blocks may begin or end between the two (``closed_boundaries``)."""
+
+    source: int
+    attention: FullAttentionSpec
+    kind: ClassVar[str] = "shared_kv"
+
+    def __post_init__(self) -> None:
+        if self.source < 0 or not isinstance(self.attention, FullAttentionSpec):
+            raise ValueError(f"invalid cache spec {self}: a source layer and its attention spec")
+
+    def tokens_held(self, length: int) -> int:
+        return 0
+
+    @property
+    def reads_from(self) -> int:
+        return self.source
+
+    def describe(self) -> str:
+        return f"shared {self.attention.describe()}"
+
+
+@dataclass(frozen=True)
 class UnservedSpec(CacheSpec):
     """A layer kind petals-core describes but has no manager for yet (a server refuses it in one line)."""
 
@@ -270,6 +304,9 @@ class UnservedSpec(CacheSpec):
 
 def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
     """Core's default ``cache_spec``: transformers' kind for this layer, sized from the config."""
+    source = kv_source(config, block_index)
+    if source is not None:
+        return SharedKVSpec(source, describe_block(config, source))
     layer_type, kwargs = layer_kind(config, block_index)
     if layer_type == "linear_attention" and all(hasattr(config, name) for name in _GATED_DELTA_NET):
         return gated_delta_net_spec(config)
@@ -308,6 +345,57 @@ def gated_delta_net_spec(config: PretrainedConfig) -> LinearAttentionSpec:
             config.linear_value_head_dim,
         ),
     )
+
+
+def kv_source(config: PretrainedConfig, block_index: int) -> int | None:
+    """The layer whose keys and values layer ``block_index`` reuses, as transformers reads
+    ``config.kv_sharing_modes`` (None per layer, or "store" / "reuse"): a "reuse" layer attends with
+    those of the last "store" layer of its own type before it. None for a layer with keys of its own.
+    ValueError where no such layer exists (every layer reusing)."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    if not modes or modes[block_index] != "reuse":
+        return None
+    layer_types = config.layer_types
+    for index in range(block_index - 1, -1, -1):
+        if modes[index] == "store" and layer_types[index] == layer_types[block_index]:
+            return index
+    raise ValueError(
+        f"layer {block_index} reuses the keys and values of an earlier {layer_types[block_index]} layer, "
+        "and no earlier layer of that type stores them (kv_sharing_modes)"
+    )
+
+
+def closed_boundaries(specs: Sequence[CacheSpec]) -> frozenset[int]:
+    """Block boundaries where a span of consecutive blocks may neither begin nor end, given each block's
+    spec: those after a source layer up to each layer that reuses its keys and values. A span holding a
+    reusing layer then holds its source too, and a chain of spans crosses them on one server."""
+    closed: set[int] = set()
+    for index, spec in enumerate(specs):
+        if spec.reads_from is not None:
+            closed.update(range(spec.reads_from + 1, index + 1))
+    return frozenset(closed)
+
+
+def check_span(closed: frozenset[int], start: int, end: int) -> None:
+    """ValueError, in one line, if blocks ``[start, end)`` begin or end where ``closed_boundaries`` forbids."""
+    inside = [edge for edge in (start, end) if edge in closed]
+    if not inside:
+        return
+    low, high = _closed_run(closed, inside[0])
+    raise ValueError(
+        f"blocks {start}:{end} split blocks {low - 1}:{high + 1}, which share keys and values (later layers "
+        f"attend with those of earlier ones, in the same pass): a span may begin or end at {low - 1} or "
+        f"{high + 1}, not in between"
+    )
+
+
+def _closed_run(closed: frozenset[int], edge: int) -> tuple[int, int]:
+    low = high = edge
+    while low - 1 in closed:
+        low -= 1
+    while high + 1 in closed:
+        high += 1
+    return low, high
 
 
 def layer_kind(config: PretrainedConfig, block_index: int) -> tuple[str, dict]:

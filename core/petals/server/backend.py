@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from petals.block import cache_spec
+from petals.block import cache_spec, shared_kv_kwargs
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
 from petals.kv_cache import CacheSpec, PagedCache, PagePool, SessionCache, StatePool, manager_for, open_cache
 
@@ -82,11 +82,14 @@ class BlockBackend:
         """The most tokens one sequence of ``length`` tokens holds in this block's cache."""
         return self.cache_spec.tokens_held(length)
 
-    def forward(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, prompt: torch.Tensor | None, shared: dict | None = None
+    ) -> torch.Tensor:
+        """``shared``: one dict per pass over a span, for layers that share keys and values in it."""
         # no_grad, not inference_mode: rpc_backward recomputes its blocks' inputs with this, and
         # autograd cannot take inference tensors
         with torch.no_grad(), using_adapter(self.module, self.adapter) as module:
-            return module(self._input(hidden, prompt), None)
+            return module(self._input(hidden, prompt), None, **shared_kv_kwargs(module, shared))
 
     def forward_with_graph(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> BlockGraph:
         """The block's output with its autograd graph kept, for ``backward_graph`` later."""
@@ -105,7 +108,7 @@ class BlockBackend:
             torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
             using_adapter(self.module, self.adapter) as module,
         ):
-            output = module(block_input, None)
+            output = module(block_input, None, **shared_kv_kwargs(module, None))
         return BlockGraph(block_input, output, saved)
 
     def backward_graph(self, graph: BlockGraph, grad_output: torch.Tensor) -> torch.Tensor:
@@ -134,18 +137,23 @@ class BlockBackend:
         return frozenset(tensor.untyped_storage().data_ptr() for tensor in tensors)
 
     def inference_step(
-        self, hidden: torch.Tensor, prompt: torch.Tensor | None, cache: PagedCache | ShardedCache
+        self,
+        hidden: torch.Tensor,
+        prompt: torch.Tensor | None,
+        cache: PagedCache | ShardedCache,
+        shared: dict | None = None,
     ) -> torch.Tensor:
-        """One step of a session. A caller running many blocks per step enters ``torch.inference_mode``
-        once around them all: entering it and the adapter context per block cost about 15 us a block
-        (0.3-2.6% of a decode step over 8 tiny blocks, 0.6-1.0% over 30 small ones, at one thread)."""
+        """One step of a session (``shared``: as in ``forward``). A caller running many blocks per step
+        enters ``torch.inference_mode`` once around them all: entering it and the adapter context per
+        block cost about 15 us a block (0.3-2.6% of a decode step over 8 tiny blocks, 0.6-1.0% over 30
+        small ones, at one thread)."""
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
-                return self.inference_step(hidden, prompt, cache)
+                return self.inference_step(hidden, prompt, cache, shared)
         if self.adapter is None and not getattr(self.module, "petals_adapters", None):
-            return self.module(self._input(hidden, prompt), cache)
+            return self.module(self._input(hidden, prompt), cache, **shared_kv_kwargs(self.module, shared))
         with using_adapter(self.module, self.adapter) as module:
-            return module(self._input(hidden, prompt), cache)
+            return module(self._input(hidden, prompt), cache, **shared_kv_kwargs(module, shared))
 
     def allocate_cache(self, batch_size: int, max_length: int) -> SessionCache:
         """A standalone cache holding ``max_length`` tokens up front (for measurements)."""

@@ -48,6 +48,14 @@ class CacheBudget:
         self.parts: dict[str, list[PagePool | StatePool]] = {
             uid: [part for pool in pools for part in pool_parts(pool)] for uid, pools in self.pools.items()
         }
+        # what a block counts in tokens_left: its own parts; a block that reuses another's keys and
+        # values has none, and a session's tokens there are held by its source's
+        uids = {backend.index: backend.uid for backend in backends}
+        self.counted = {
+            backend.uid: self.parts[backend.uid]
+            or self.parts.get(uids.get(backend.cache_spec.reads_from, ""), [])
+            for backend in backends
+        }
         self._loop: asyncio.AbstractEventLoop | None = None
         self._freed = asyncio.Event()
         for pools in self.parts.values():
@@ -64,7 +72,7 @@ class CacheBudget:
     def tokens_left(self) -> int:
         """In Petals' unit (keys and values counted separately, summed over blocks); a block of sequence
         states counts each free sequence as the tokens of the budget it stands for."""
-        return 2 * sum(min(pool.free_tokens for pool in pools) for pools in self.parts.values())
+        return 2 * sum(min(pool.free_tokens for pool in pools) for pools in self.counted.values() if pools)
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from petals.block import closed_boundaries
+from petals.kv_cache import check_span
 from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks
 from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
@@ -52,7 +54,7 @@ from petals.tracing import NO_TRACE, StepTrace
 from petals.wire_errors import WireError
 
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
-PREFILL_CHUNK_TOKENS = 512  # longer steps run block by block, in chunks of this many tokens (causal: exact)
+PREFILL_CHUNK_TOKENS = 512  # longer steps run in chunks of this many tokens, each through every block
 
 # what a job yields (a task to run) and, in the end, returns (the request's result)
 Job = Generator[Task, Any, Any]
@@ -99,6 +101,7 @@ class ServingEngine:
         self.tokens_processed = 0
         self.busy_seconds = 0.0
         self.changed = threading.Condition()  # guards the scheduler; notified on every submission
+        self.closed = closed_boundaries(blocks.config)  # where a request's span may not begin or end
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -106,6 +109,10 @@ class ServingEngine:
         """The hosted blocks a request names, computing with its ``active_adapter``."""
         description = f"{self.dht_prefix}.{self.blocks.start} to {self.dht_prefix}.{self.blocks.end - 1}"
         backends = blocks_named(uid_chain, self.blocks.backends, description)
+        try:  # layers that share keys and values run in one pass, from the first to the last of them
+            check_span(self.closed, backends[0].index, backends[-1].index + 1)
+        except ValueError as error:
+            raise WireError(f"{error}; ask for a span of this server's blocks that holds them all") from None
         if metadata is None:
             return backends
         adapter = check_adapter(metadata.get("active_adapter"), self.limits.adapters)
@@ -120,6 +127,13 @@ class ServingEngine:
     def backward(self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]) -> Future:
         """Gradients w.r.t. the inputs (and the deep prompts, if any) for ``(inputs, grad_outputs, prompts)``."""
         backends = self.backends(uid_chain, metadata)
+        reusing = [backend for backend in backends if backend.cache_spec.reads_from is not None]
+        if reusing:  # each block's backward would miss the gradient its reused keys and values carry
+            raise WireError(
+                f"block {reusing[0].index} attends with the keys and values of block "
+                f"{reusing[0].cache_spec.reads_from}, and backward through such blocks is not served; "
+                "fine-tune blocks before them"
+            )
         args, grad = backward_args(tensors, metadata.get("args_structure"), len(backends), *self._sizes)
         return self._submit(_backward_job(backends, args, grad, self.graphs))
 
@@ -300,9 +314,9 @@ class ComputeThread:
 
 
 def _forward_job(backends: Sequence[BlockBackend], args: StepArgs) -> Job:
-    hidden, tokens = args.hidden, args.tokens
+    hidden, tokens, shared = args.hidden, args.tokens, {}  # shared: see BlockBackend.forward
     for backend, prompt in zip(backends, args.prompts, strict=True):
-        hidden = yield call(Priority.FORWARD, tokens, _bind(backend.forward, hidden, prompt))
+        hidden = yield call(Priority.FORWARD, tokens, _bind(backend.forward, hidden, prompt, shared))
     return [hidden]
 
 
@@ -388,17 +402,22 @@ def _inference_job(
         )
     if tokens <= MAX_SHORT_INFERENCE_TOKENS:
         return (yield call(Priority.DECODE, tokens, _bind(_prepare_and_run, session, args, start)))
-    # a long prefill: one task per block and chunk of tokens, so that others' decode steps slip in
+    # a long prefill: one task per chunk of tokens and block, so that others' decode steps slip in. A
+    # chunk goes through every block before the next one starts: layers that reuse keys and values of
+    # earlier ones see those of their own chunk (``shared``, one per chunk). Deep prompts add to the first
+    # positions of every block's input, so a step with them is one chunk
     yield call(Priority.DECODE, 0, _bind(session.prepare, hypo_ids, start))
     chunk_length = max(1, PREFILL_CHUNK_TOKENS // hidden.shape[0])
-    for index, prompt in enumerate(args.prompts):
-        chunks = hidden.split(chunk_length, dim=1) if prompt is None else [hidden]
-        outputs = []
-        for chunk in chunks:
-            run_chunk = _bind(session.run_block, index, chunk, prompt)
-            outputs.append((yield call(Priority.PREFILL, chunk.numel() // chunk.shape[-1], run_chunk)))
-        hidden = torch.cat(outputs, dim=1)
-    return hidden.cpu()
+    chunks = [hidden] if args.has_prompts else hidden.split(chunk_length, dim=1)
+    outputs = []
+    for chunk in chunks:
+        shared, tokens = {}, chunk.numel() // chunk.shape[-1]
+        for index, prompt in enumerate(args.prompts):
+            chunk = yield call(
+                Priority.PREFILL, tokens, _bind(session.run_block, index, chunk, prompt, shared)
+            )
+        outputs.append(chunk)
+    return torch.cat(outputs, dim=1).cpu()
 
 
 def _release_job(session: ServerInferenceSession) -> Job:

@@ -80,13 +80,18 @@ class ServerInferenceSession:
         for cache in self.caches:
             cache.reserve(new_tokens)
 
-    def run_block(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        return self.backends[index].inference_step(hidden, prompt, self.caches[index].view())
+    def run_block(
+        self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None, shared: dict | None = None
+    ) -> torch.Tensor:
+        """Block ``index`` of the span on this step's tokens; ``shared``: one dict per pass over the span
+        (``BlockBackend.forward``)."""
+        return self.backends[index].inference_step(hidden, prompt, self.caches[index].view(), shared)
 
     def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
+        shared = {}
         with torch.inference_mode():
             for index, prompt in enumerate(prompts):
-                hidden = self.run_block(index, hidden, prompt)
+                hidden = self.run_block(index, hidden, prompt, shared)
         return hidden.cpu()
 
 
@@ -127,12 +132,12 @@ def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[
             results[index] = error
     if ready and steps[0].hidden.shape[1] > 0:  # not a pre-allocation or rewind-only step
         batch = [steps[index] for index in ready]
-        hidden = torch.cat([step.hidden for step in batch])
+        hidden, shared = torch.cat([step.hidden for step in batch]), {}
         with torch.inference_mode():  # once for all blocks (see BlockBackend.inference_step)
             for block, backend in enumerate(batch[0].session.backends):
                 started = time.perf_counter() if traces else 0.0
                 caches = [step.session.caches[block] for step in batch]
-                hidden = backend.inference_step(hidden, None, type(caches[0]).merged(caches))
+                hidden = backend.inference_step(hidden, None, type(caches[0]).merged(caches), shared)
                 _record_block(traces, backend, started)
         outputs = hidden.cpu().split([step.hidden.shape[0] for step in batch])
     else:

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from petals.auto import AutoDistributedConfig
-from petals.block import cache_spec
+from petals.block import cache_spec, shared_kv_kwargs
 from petals.config import DistributedConfigMixin, validate_dht_prefix
 from petals.kv_cache import (
     PAGE_TOKENS,
@@ -199,8 +199,10 @@ class _TwoServers(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         caches = self.caches if self.caches is not None else [None] * len(self.blocks)
+        shared = {}  # one pass: what layers that share keys and values hand on (see shared_kv_kwargs)
         for block, cache in zip(self.blocks, caches, strict=True):
-            hidden_states = block(hidden_states, cache.view() if cache is not None else None)
+            view = cache.view() if cache is not None else None
+            hidden_states = block(hidden_states, view, **shared_kv_kwargs(block, shared))
         return (hidden_states, None) if self.output_is_tuple else hidden_states
 
 
@@ -304,7 +306,11 @@ def _check_held(config: PretrainedConfig, specs: list[CacheSpec], caches: list) 
         if isinstance(spec, HybridSpec):  # its keys and values, and its state, each held as its kind's
             _check_held(config, [spec.attention, spec.state], list(cache.parts))
             continue
-        pool, name = cache.pool, f"{config.model_type} block {index} ({spec.describe()})"
+        name = f"{config.model_type} block {index} ({spec.describe()})"
+        if spec.reads_from is not None:  # it attends with its source's keys and values
+            assert cache.nbytes == 0, f"{name}: holds {cache.nbytes} bytes; its kind keeps none"
+            continue
+        pool = cache.pool
         page = pool.page_tokens * spec.bytes_per_token(dtype) + spec.bytes_per_sequence(dtype)
         assert pool.page_nbytes == page and pool.nbytes == pool.num_pages * page, (
             f"{name}: its pool holds {pool.nbytes} bytes in {pool.num_pages} pages of {pool.page_nbytes}; its spec "
@@ -408,8 +414,8 @@ def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: 
                 cache.rewind(step.rewind_to)
             if step.hypo_ids is not None:
                 cache.reorder(step.hypo_ids)
-    hidden = torch.cat([step.hidden for step in steps])
+    hidden, shared = torch.cat([step.hidden for step in steps]), {}
     for index, block in enumerate(blocks):
         members = [caches[index] for caches in session_caches]
-        hidden = block(hidden, type(members[0]).merged(members))
+        hidden = block(hidden, type(members[0]).merged(members), **shared_kv_kwargs(block, shared))
     return hidden
