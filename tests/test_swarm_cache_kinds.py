@@ -15,7 +15,10 @@ and its replica rebuilds that cache from the session's history (logits equal too
   the latent and the indexer keys alike;
 * linear attention (Qwen3-Next: three gated delta net layers, then a full-attention one, each with routed
   experts and a shared expert): a fixed-size state per sequence, which the replica of the killed server
-  (a linear layer and the full one) rebuilds by replaying the history through the recurrence.
+  (a linear layer and the full one) rebuilds by replaying the history through the recurrence;
+* layers that reuse keys and values (Gemma 4 of 6 layers, sliding and full in turn: layers 4 and 5 attend
+  with those layers 2 and 3 compute in the same pass, and cache nothing): blocks 2:6 stay on one server
+  (servers of 0:2, 2:6 and a replica of 2:6), and the replica rebuilds the sources' caches alone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, GlmMoeDsaConfig, Qwen2Config, Qwen3NextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    Gemma4TextConfig,
+    GlmMoeDsaConfig,
+    Qwen2Config,
+    Qwen3NextConfig,
+)
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 import petals
@@ -35,6 +45,7 @@ from petals.kv_cache import (
     FullAttentionSpec,
     IndexedAttentionSpec,
     LinearAttentionSpec,
+    SharedKVSpec,
     SlidingWindowSpec,
 )
 from petals.testing.swarm import running_swarm
@@ -121,7 +132,25 @@ MODELS = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
+    # transformers 5.24 runs a Gemma 4 that shares keys and values without per-layer embeddings only
+    # when asked for its hidden states (else it slices per_layer_inputs, None then)
+    "shared-keys-and-values": Gemma4TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        global_head_dim=16,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0,
+        output_hidden_states=True,
+    ),
 }
+SPANS = {"shared-keys-and-values": ("0:2", "2:6", "2:6")}  # the others: 0:2, 2:4 and 2:4
 # the full attention of the Qwen2 and Qwen3-Next models: 4 query heads, 2 key/value heads of 16
 HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
 # a convolution over queries and keys (2 heads x 8) and values (4 heads x 8); an 8 x 8 state per value head
@@ -137,6 +166,11 @@ SPECS = {  # what each block caches, as servers budget it
     ]
     * 4,
     "linear-then-full-attention": [GATED_DELTA_NET] * 3 + [FullAttentionSpec(**HEADS)],
+    "shared-keys-and-values": [SlidingWindowSpec(**HEADS, window=WINDOW), FullAttentionSpec(**HEADS)] * 2
+    + [
+        SharedKVSpec(2, SlidingWindowSpec(**HEADS, window=WINDOW)),
+        SharedKVSpec(3, FullAttentionSpec(**HEADS)),
+    ],
 }
 
 
@@ -165,11 +199,12 @@ def test_greedy_tokens_equal_transformers_through_a_killed_server(kind, tmp_path
     expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
 
     server_args = ("--update_period", "3")  # a killed server's records expire within seconds
-    with running_swarm(path, "0:2", "2:4", "2:4", server_args=server_args) as (dht, servers):
+    spans = SPANS.get(kind, ("0:2", "2:4", "2:4"))
+    with running_swarm(path, *spans, server_args=server_args) as (dht, servers):
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
         )
-        assert [cache_spec(model.config, index) for index in range(4)] == SPECS[kind]
+        assert [cache_spec(model.config, index) for index in range(len(SPECS[kind]))] == SPECS[kind]
         with model.inference_session(max_length=PROMPT + NEW_TOKENS) as session:
             killer = KillServingServer(session, servers, PROMPT, KILL_AFTER)
             output = model.generate(ids, stopping_criteria=[killer], **kwargs)

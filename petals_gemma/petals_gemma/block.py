@@ -32,8 +32,14 @@ class Gemma4Block(RotaryBlockMixin, Gemma4TextDecoderLayer):
 
     rotary_class = Gemma4TextRotaryEmbedding
 
-    def __init__(self, config, block_index: int = 0) -> None:
-        super().__init__(config, block_index)
-        # the last layer of each type would keep its keys and values for layers that share them; served
-        # configs have none (petals_gemma.gemma4), and nothing on a server reads them
-        self.self_attn.store_full_length_kv = False
+    def forward(self, hidden_states, cache=None, shared_kv_states: dict | None = None):
+        """``shared_kv_states``: the keys and values of this pass's layers that store them, by layer type
+        (core hands one dict to every block of a pass); a layer that reuses them needs its source's."""
+        if shared_kv_states is None:
+            shared_kv_states = {}  # a block run alone: a storing layer keeps them for no one
+        if self.self_attn.is_kv_shared_layer and self.layer_type not in shared_kv_states:
+            raise ValueError(
+                f"block {self.block_index} reuses the keys and values of an earlier {self.layer_type} layer, "
+                "which did not run before it in this pass"
+            )
+        return super().forward(hidden_states, cache, shared_kv_states=shared_kv_states)

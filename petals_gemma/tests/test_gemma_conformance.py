@@ -2,13 +2,14 @@
 switched on: Gemma 4's full layers with wider heads and fewer key/value heads than its sliding ones (keys
 doubling as values), experts beside the MLP; Gemma 3's sliding layers (a local rotary base) before a full
 one; Gemma 2's sliding and full layers in turn, with soft-capped attention scores; Gemma's multi-query
-attention."""
+attention. And Gemma 4's last layers that reuse earlier layers' keys and values, caching nothing."""
 
 import pytest
+import torch
 from transformers import Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GemmaConfig
 
 from petals.block import cache_spec
-from petals.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from petals.kv_cache import FullAttentionSpec, SharedKVSpec, SlidingWindowSpec, closed_boundaries
 from petals.plugins import get_plugin_manager
 from petals.testing import StepSchedule, check_family, check_prefix_rules
 
@@ -24,6 +25,20 @@ TINY = dict(
 )
 WINDOW = 6
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
+# full layers: one key/value head of 32 values (keys are the values); per-layer embeddings off, as
+# petals serves Gemma 4
+GEMMA4 = dict(
+    sliding_window=WINDOW,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    final_logit_softcapping=3.0,
+    hidden_size_per_layer_input=0,
+)
 CONFIGS = {
     "gemma": GemmaConfig(**{**TINY, "num_key_value_heads": 1}),
     # soft-capping as large as the real model's would leave a tiny model's scores uncapped
@@ -37,22 +52,7 @@ CONFIGS = {
     "gemma3_text": Gemma3TextConfig(
         **TINY, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"]
     ),
-    # full layers: one key/value head of 32 values (keys are the values); per-layer embeddings and KV
-    # sharing off, as petals serves Gemma 4
-    "gemma4_text": Gemma4TextConfig(
-        **TINY,
-        sliding_window=WINDOW,
-        layer_types=SLIDING_THEN_FULL,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        final_logit_softcapping=3.0,
-        hidden_size_per_layer_input=0,
-    ),
+    "gemma4_text": Gemma4TextConfig(**TINY, layer_types=SLIDING_THEN_FULL, **GEMMA4),
 }
 HEADS = dict(num_kv_heads=2, key_dim=16, value_dim=16, num_query_heads=4)
 SPECS = {  # what each block caches, as servers budget it
@@ -94,10 +94,29 @@ def test_gemma2_blocks_cap_their_attention_scores():
     assert [block.self_attn.sliding_window for block in blocks] == [WINDOW, None] * 2
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2)]
+# Gemma 4's last layers reusing the keys and values of the last earlier layer of their type (layers 4
+# and 5 those of 2 and 3); transformers 5.24's model fails to run such a config without per-layer
+# embeddings (it slices per_layer_inputs, None then) unless asked for its hidden states
+SHARING = Gemma4TextConfig(
+    **{**TINY, "num_hidden_layers": 6},
+    layer_types=["sliding_attention", "full_attention"] * 3,
+    num_kv_shared_layers=2,
+    output_hidden_states=True,
+    **GEMMA4,
 )
-def test_gemma4_refuses_what_servers_cannot_split_in_one_line(field, value, tmp_path):
+
+
+def test_gemma4_layers_reusing_keys_and_values_conform_and_cache_nothing(tmp_path):
+    report = check_family(SHARING, tmp_path, schedule=StepSchedule(atol=MERGED["gemma4_text"]))
+    assert max(report.max_abs_diff.values()) <= EXACT
+    sliding, full = SPECS["gemma4_text"][:2]
+    assert report.cache_specs[4:] == [SharedKVSpec(2, sliding), SharedKVSpec(3, full)]
+    assert [spec.bytes_per_token(torch.float32) for spec in report.cache_specs[4:]] == [0, 0]
+    assert closed_boundaries(report.cache_specs) == {3, 4, 5}  # blocks 2:6 run in one pass
+
+
+def test_gemma4_refuses_what_servers_cannot_split_in_one_line(tmp_path):
+    field, value = "hidden_size_per_layer_input", 256
     from petals.auto import AutoDistributedConfig
     from petals.plugins import PluginError
 
