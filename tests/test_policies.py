@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from hivemind.p2p import PeerID
 
+from conftest import tiny_config
 from petals.client.routing import RemoteSequenceManager
-from petals.config import ClientConfig
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
+from petals.plugins import get_plugin_manager
 from petals.policies import (
     OursPlacement,
     OursRouting,
@@ -211,7 +212,8 @@ def test_balance_checks_come_at_random_with_the_documented_mean():
 
 
 def sequence_manager(routing: str) -> RemoteSequenceManager:
-    config = ClientConfig()
+    tiny = tiny_config("llama")
+    config = get_plugin_manager().family(tiny.model_type).config_class.from_dict(tiny.to_dict())
     config.dht_prefix, config.routing = "policies", routing
     return RemoteSequenceManager(config, network=None, num_blocks=4)
 

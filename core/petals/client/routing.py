@@ -12,6 +12,11 @@ the ONLINE spans (minus banned, blocked or not-allowed peers) and chooses chains
 * ``max_throughput`` (forward/backward): left to right, a random span containing the current block,
   weighted by its throughput and how many blocks it covers from there.
 
+Where later layers reuse the keys and values an earlier layer computed in the same pass
+(``petals.block.closed_boundaries``), both modes cross the boundaries between them on one server: no
+hop begins or ends there, and such blocks without one server holding them all are missing blocks,
+reported with the command that serves them.
+
 One retry policy serves inference, forward and backward (``handle_failure``): a failure is retried
 elsewhere only when a retry can fix it, at most ``max_retries`` times, after a backoff with jitter;
 the server is banned (``ban_timeout`` seconds, doubled after every consecutive failure) only when the
@@ -41,14 +46,16 @@ from dataclasses import dataclass
 import numpy as np
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
+from petals.block import closed_boundaries
 from petals.client.measurements import ServerMeasurements
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo, ServerState, make_uids
 from petals.dht import compute_spans, get_remote_module_infos
+from petals.kv_cache import check_span
 from petals.membership import PRIVATE_SWARM_HINT, MembershipError, SwarmMembership
 from petals.network.client import ClientNetwork
 from petals.network.rpc import ping
-from petals.policies.routing import ROUTINGS, RouteCandidates
+from petals.policies import ROUTINGS, RouteCandidates, shared_groups
 from petals.wire_errors import cut, error_kind
 
 logger = logging.getLogger(__name__)
@@ -126,6 +133,7 @@ class RemoteSequenceManager:
         self.network = network
         self.dht_prefix: str = config.dht_prefix
         self.block_uids = make_uids(self.dht_prefix, 0, num_blocks)
+        self.closed = closed_boundaries(config)  # where a chain may not switch servers
         self.online_spans: dict[PeerID, RemoteSpanInfo] = {}  # every usable ONLINE server
         self.spans: dict[PeerID, RemoteSpanInfo] = {}  # those of them with the active adapter
         self.pings: dict[PeerID, float] = {}
@@ -368,11 +376,13 @@ class RemoteSequenceManager:
         spans = self.measurements.measured_spans(self.usable_spans())
         if cache_tokens_needed is not None:
             spans = [span for span in spans if _has_cache_for(span, cache_tokens_needed)]
+        check_span(self.closed, start, end)
         self._check_coverage(spans, start, end, cache_tokens_needed)
+        self._check_shared_groups(spans, start, end)
         if mode == "min_latency":
             route = self._min_latency(spans, start, end)
         elif mode == "max_throughput":
-            route = _max_throughput(spans, start, end)
+            route = _max_throughput(spans, start, end, self.closed)
         else:
             raise ValueError(f"unknown routing mode {mode!r}; use 'min_latency' or 'max_throughput'")
         if self.config.show_route is True or (
@@ -429,6 +439,19 @@ class RemoteSequenceManager:
             f"`petals serve <model> --block_indices {first}:{missing[-1] + 1}`, or check the dht_prefix."
         )
 
+    def _check_shared_groups(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> None:
+        """Every block has a server (``_check_coverage``), so a chain exists unless some blocks that share
+        keys and values, which a chain crosses on one server, have no server holding them all."""
+        for group in shared_groups(self.closed):
+            inside = start <= group.start and group.stop <= end
+            if inside and not any(span.start <= group.start and group.stop <= span.end for span in spans):
+                raise MissingBlocksError(
+                    f"blocks {group.start}:{group.stop} share keys and values and must be served by one "
+                    f"server, but no server usable now holds them all (dht_prefix {self.dht_prefix!r}). "
+                    f"Start one, e.g. `petals serve <model> --block_indices {group.start}:{group.stop}` "
+                    "(or a span holding it)"
+                )
+
     def _rtt(self, peer: PeerID) -> float:
         return min(self.pings.get(peer, UNKNOWN_RTT), MAX_RTT)
 
@@ -452,6 +475,7 @@ class RemoteSequenceManager:
             client_rtt=rtts,
             sites=np.arange(len(spans)),
             hop_seconds=hops,
+            closed=self.closed,
         )
 
     def _min_latency(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
@@ -471,15 +495,29 @@ class RemoteSequenceManager:
         return announced is None or announced < self._rtt(span.peer_id) + self._rtt(next_peer)
 
 
-def _max_throughput(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[RemoteSpanInfo]:
+def _max_throughput(
+    spans: Sequence[RemoteSpanInfo], start: int, end: int, closed: frozenset[int] = frozenset()
+) -> list[RemoteSpanInfo]:
+    """A hop from ``block`` on a span ends at its farthest boundary that is not ``closed``; spans with
+    none past ``block`` are no candidates. Once ``_choose``'s checks pass, some span always is one: a
+    chain over ``[start, end)`` crosses every boundary it reaches on a span that also serves from there."""
     route, block = [], start
     while block < end:
         candidates = [span for span in spans if span.start <= block < span.end]
-        weights = [max(span.throughput, 1e-6) * (min(span.end, end) - block) for span in candidates]
-        chosen = random.choices(candidates, weights=weights)[0]
-        route.append(RemoteSpanInfo(chosen.peer_id, block, min(chosen.end, end), chosen.server_info))
-        block = route[-1].end
+        hops = [(span, _hop_end(block, min(span.end, end), closed)) for span in candidates]
+        hops = [(span, stop) for span, stop in hops if stop > block]
+        weights = [max(span.throughput, 1e-6) * (stop - block) for span, stop in hops]
+        chosen, stop = random.choices(hops, weights=weights)[0]
+        route.append(RemoteSpanInfo(chosen.peer_id, block, stop, chosen.server_info))
+        block = stop
     return route
+
+
+def _hop_end(block: int, limit: int, closed: frozenset[int]) -> int:
+    """The farthest boundary in ``(block, limit]`` that is not ``closed``; ``block`` itself if none is."""
+    while limit > block and limit in closed:
+        limit -= 1
+    return limit
 
 
 def _has_cache_for(span: RemoteSpanInfo, tokens: int) -> bool:

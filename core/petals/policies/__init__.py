@@ -17,6 +17,7 @@ from petals.policies.placement import (
     Petals22Placement,
     Placement,
     SwarmView,
+    shared_groups,
 )
 from petals.policies.routing import ROUTINGS, OursRouting, Petals22Routing, RouteCandidates, Routing
 
@@ -32,4 +33,5 @@ __all__ = [
     "RouteCandidates",
     "Routing",
     "SwarmView",
+    "shared_groups",
 ]

@@ -14,11 +14,16 @@ when a server moves:
   window, without it, stays ``margin`` above the weakest block of the best window: then moving helps
   and moving back cannot (hysteresis), and a server never returns to a range it left within one mean
   check period.
+
+Where later layers reuse the keys and values an earlier layer computed in the same pass, no span may
+begin or end between them (``closed``, from ``petals.block.closed_boundaries``): both policies choose
+only among the windows that hold such a group whole or leave it out.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,16 +42,21 @@ class SwarmView:
     ends: np.ndarray
     throughputs: np.ndarray  # announced ``throughput``
     forward_rps: np.ndarray  # announced ``forward_rps``, NaN where unknown
+    closed: frozenset[int] = frozenset()  # boundaries where no span may begin or end
 
     @classmethod
     def from_spans(
-        cls, total_blocks: int, spans: Sequence[tuple[int, int, float, float | None]]
+        cls,
+        total_blocks: int,
+        spans: Sequence[tuple[int, int, float, float | None]],
+        closed: frozenset[int] = frozenset(),
     ) -> SwarmView:
         """From ``(start, end, throughput, forward_rps or None)`` per server."""
         rows = np.array([(s, e, t, np.nan if f is None else f) for s, e, t, f in spans], dtype=float).reshape(
             -1, 4
         )
-        return cls(total_blocks, rows[:, 0].astype(int), rows[:, 1].astype(int), rows[:, 2], rows[:, 3])
+        starts, ends = rows[:, 0].astype(int), rows[:, 1].astype(int)
+        return cls(total_blocks, starts, ends, rows[:, 2], rows[:, 3], closed)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -75,20 +85,57 @@ def block_sums(starts: np.ndarray, ends: np.ndarray, values: np.ndarray, total_b
     return np.cumsum(diff)[:-1]
 
 
+def shared_groups(closed: frozenset[int]) -> list[range]:
+    """The runs of blocks that one server must hold whole, given the ``closed`` boundaries: boundaries
+    3, 4 and 5 (layers 4 and 5 reuse the keys and values of layers 2 and 3) make blocks 2:6 one group."""
+    groups: list[range] = []
+    for boundary in sorted(closed):
+        if groups and groups[-1].stop == boundary:
+            groups[-1] = range(groups[-1].start, boundary + 1)
+        else:
+            groups.append(range(boundary - 1, boundary + 1))
+    return groups
+
+
+def span_lengths(total_blocks: int, closed: frozenset[int]) -> list[int]:
+    """Every length a span of the model's blocks can have without beginning or ending at a closed boundary."""
+    edges = [edge for edge in range(total_blocks + 1) if edge not in closed]
+    return sorted({stop - start for start, stop in itertools.combinations(edges, 2)})
+
+
+def no_span_fits(total_blocks: int, length: int, closed: frozenset[int]) -> str:
+    """Why no span of ``length`` blocks can be placed, in one line, with the nearest lengths that fit."""
+    groups = ", ".join(f"{group.start}:{group.stop}" for group in shared_groups(closed))
+    lengths = span_lengths(total_blocks, closed)
+    shorter = [fits for fits in lengths if fits < length][-1:]
+    longer = [fits for fits in lengths if fits > length][:1]
+    return (
+        f"no span of {length} blocks fits without splitting blocks {groups}, which share keys and values "
+        f"and must be served by one server; the nearest spans that fit hold "
+        f"{' or '.join(map(str, shorter + longer))} blocks"
+    )
+
+
 @functools.cache
-def _window_indices(total: int, length: int) -> np.ndarray:
-    return np.arange(total - length + 1)[:, None] + np.arange(length)
+def _window_indices(total: int, length: int, closed: frozenset[int]) -> np.ndarray:
+    """``[window, block]``: each window of ``length`` blocks that begins and ends at an open boundary."""
+    starts = [start for start in range(total - length + 1) if not {start, start + length} & closed]
+    return np.array(starts, dtype=int)[:, None] + np.arange(length)
 
 
-def weakest_window(levels: np.ndarray, length: int) -> int:
-    """The start of the window whose sorted levels are lexicographically smallest (ties: lowest)."""
-    windows = levels[_window_indices(len(levels), length)]
+def weakest_window(levels: np.ndarray, length: int, closed: frozenset[int] = frozenset()) -> int:
+    """The start of the window whose sorted levels are lexicographically smallest (ties: lowest), among
+    those that neither begin nor end at a ``closed`` boundary; ValueError if there are none."""
+    indices = _window_indices(len(levels), length, closed)
+    if not len(indices):
+        raise ValueError(no_span_fits(len(levels), length, closed))
+    windows = levels[indices]
     minima = windows.min(axis=1)
     candidates = np.flatnonzero(minima == minima.min())
     if len(candidates) == 1:
-        return int(candidates[0])
+        return int(indices[candidates[0], 0])
     ordered = np.sort(windows[candidates], axis=1)
-    return int(candidates[np.lexsort(ordered.T[::-1])[0]])
+    return int(indices[candidates[np.lexsort(ordered.T[::-1])[0]], 0])
 
 
 class Placement:
@@ -107,7 +154,7 @@ class Placement:
     def choose_blocks(self, view: SwarmView, num_blocks: int) -> range:
         """The blocks a new server with ``num_blocks`` blocks should host (``view`` lacks it)."""
         num_blocks = min(num_blocks, view.total_blocks)
-        start = weakest_window(self.levels(view), num_blocks)
+        start = weakest_window(self.levels(view), num_blocks, view.closed)
         return range(start, start + num_blocks)
 
     def check_delay(self, rng: np.random.Generator) -> float:
@@ -162,7 +209,7 @@ class Petals22Placement(Placement):
         levels[current.start : current.stop] -= own * (1 + EPS)  # the EPS biases towards staying
         if initial > EPS and levels.min() <= 0:
             return _staying(current, "the only server for some of them")
-        new_start = weakest_window(levels, len(current))
+        new_start = weakest_window(levels, len(current), view.closed)
         if new_start == current.start:
             return _staying(current, "still the best range for this server")
         new_blocks = range(new_start, new_start + len(current))
@@ -198,7 +245,7 @@ class Petals22Placement(Placement):
             for peer in rng.permutation(len(view)):
                 start, length, own = starts[peer], lengths[peer], view.throughputs[peer]
                 levels[start : start + length] -= own * (1 + EPS)
-                best = weakest_window(levels, length)
+                best = weakest_window(levels, length, view.closed)
                 levels[start : start + length] += own * EPS
                 if best != start:
                     starts[peer], start, moved = best, best, True
@@ -241,7 +288,7 @@ class OursPlacement(Placement):
         here = levels[current.start : current.stop].min()
         if initial > EPS and here <= EPS:
             return _staying(current, "the only server for some of them")
-        new_start = weakest_window(levels, len(current))
+        new_start = weakest_window(levels, len(current), view.closed)
         if new_start == current.start:
             return _staying(current, "still the best range for this server")
         new_blocks = range(new_start, new_start + len(current))

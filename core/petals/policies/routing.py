@@ -5,7 +5,9 @@ first server costs half the client's ping to it plus a per-hop overhead, each bl
 seconds per block (``1 / inference_rps``), switching from server ``p`` to ``q`` at a boundary (only after
 using ``p``) costs the one-way delay between them plus the overhead, and leaving costs half a ping.
 The graph is a DAG over boundaries, so a dynamic program over boundaries finds what Dijkstra finds, one
-vectorized step per block.
+vectorized step per block. Where later layers reuse the keys and values an earlier layer computed in
+the same pass (``closed``, from ``petals.block.closed_boundaries``), a chain crosses the boundaries
+between them on one server: no switch is allowed there.
 
 * ``petals22``: Petals 2.2's costs as they are.
 * ``ours``: each server's seconds per block are scaled by its load (sessions it serves, where known)
@@ -36,6 +38,7 @@ class RouteCandidates:
     sites: np.ndarray  # each server's site: an index into ``hop_seconds``
     hop_seconds: np.ndarray  # [site, site]: one-way delay from a server at one site to one at another
     load: np.ndarray | None = None  # sessions each server serves, where known
+    closed: frozenset[int] = frozenset()  # boundaries where a chain may not switch servers
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -77,6 +80,11 @@ ROUTINGS: dict[str, type[Routing]] = {"ours": OursRouting, "petals22": Petals22R
 
 def min_latency_route(candidates: RouteCandidates, start: int, end: int, steps: np.ndarray) -> Route:
     c = candidates
+    if start in c.closed or end in c.closed:
+        raise ValueError(
+            f"blocks {start}:{end} begin or end between blocks that share keys and values, which one "
+            "server serves together: route from and to a boundary outside them"
+        )
     order = np.argsort(c.sites, kind="stable")  # servers grouped by site, for one reduceat per block
     site_ids, site_starts = np.unique(c.sites[order], return_index=True)
     hops = c.hop_seconds[np.ix_(site_ids, site_ids)] + HOP_OVERHEAD
@@ -92,9 +100,12 @@ def min_latency_route(candidates: RouteCandidates, start: int, end: int, steps: 
         useds.append(used)
         if offset + 1 == end - start:
             break
-        best_per_site = np.minimum.reduceat(used, site_starts)
-        into_site = (best_per_site[:, None] + hops).min(axis=0)
-        at = np.minimum(used, into_site[local_site])  # servers not covering the next block: inf there
+        if start + offset + 1 in c.closed:
+            at = used  # the blocks on both sides share keys and values: no switch here
+        else:
+            best_per_site = np.minimum.reduceat(used, site_starts)
+            into_site = (best_per_site[:, None] + hops).min(axis=0)
+            at = np.minimum(used, into_site[local_site])  # servers not covering the next block: inf there
         ats.append(at)
     total = useds[-1] + c.client_rtt[order] / 2
     last = int(np.argmin(total))
@@ -116,7 +127,7 @@ def _backtrack(
     peer, span_end = last, start + len(useds)
     for offset in range(len(useds) - 1, 0, -1):
         if ats[offset][peer] == useds[offset - 1][peer]:
-            continue  # reached by computing the previous block on the same server
+            continue  # reached by computing the previous block on the same server (always, if closed)
         route.append((peer, start + offset, span_end))
         switch = useds[offset - 1] + hops[local_site, local_site[peer]]
         switch[peer] = np.inf

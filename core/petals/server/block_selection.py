@@ -42,15 +42,18 @@ def make_placement(
     raise ValueError(f"unknown placement {name!r}; choose from {', '.join(PLACEMENT_CHOICES)}")
 
 
-def swarm_view(module_infos: Sequence[RemoteModuleInfo]) -> tuple[SwarmView, list[PeerID]]:
-    """The JOINING and ONLINE servers' spans, in a fixed order (by peer id), and their peer ids."""
+def swarm_view(
+    module_infos: Sequence[RemoteModuleInfo], closed: frozenset[int] = frozenset()
+) -> tuple[SwarmView, list[PeerID]]:
+    """The JOINING and ONLINE servers' spans, in a fixed order (by peer id), and their peer ids;
+    ``closed``: the model's ``petals.block.closed_boundaries``, where no span may begin or end."""
     spans = compute_spans(module_infos, min_state=ServerState.JOINING)
     peers = sorted(spans, key=str)
     rows = [
         (spans[peer].start, spans[peer].end, spans[peer].throughput, spans[peer].server_info.forward_rps)
         for peer in peers
     ]
-    return SwarmView.from_spans(len(module_infos), rows), peers
+    return SwarmView.from_spans(len(module_infos), rows, closed), peers
 
 
 def choose_best_start(throughputs: Sequence[float], num_blocks: int) -> int:
@@ -58,10 +61,13 @@ def choose_best_start(throughputs: Sequence[float], num_blocks: int) -> int:
 
 
 def choose_best_blocks(
-    num_blocks: int, module_infos: Sequence[RemoteModuleInfo], placement: Placement | None = None
+    num_blocks: int,
+    module_infos: Sequence[RemoteModuleInfo],
+    placement: Placement | None = None,
+    closed: frozenset[int] = frozenset(),
 ) -> range:
     """The blocks a new server with ``num_blocks`` blocks should host."""
-    view, _ = swarm_view(module_infos)
+    view, _ = swarm_view(module_infos, closed)
     return (placement or make_placement()).choose_blocks(view, num_blocks)
 
 
@@ -74,8 +80,9 @@ def decide_move(
     now: float,
     rng: np.random.Generator,
     history: MoveHistory,
+    closed: frozenset[int] = frozenset(),
 ) -> MoveDecision:
-    view, peers = swarm_view(module_infos)
+    view, peers = swarm_view(module_infos, closed)
     if local_peer_id not in peers:
         return MoveDecision(None, "staying: this server's records are not in the DHT yet")
     if balance_quality <= 0:
@@ -88,6 +95,7 @@ def choose_new_blocks(
     module_infos: Sequence[RemoteModuleInfo],
     balance_quality: float,
     placement: str = "ours",
+    closed: frozenset[int] = frozenset(),
 ) -> range | None:
     """The blocks this server should move to, or None to stay where it is (never its current range)."""
     decision = decide_move(
@@ -98,5 +106,6 @@ def choose_new_blocks(
         now=0.0,
         rng=np.random.default_rng(),
         history=MoveHistory(),
+        closed=closed,
     )
     return decision.blocks

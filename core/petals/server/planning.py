@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from petals.policies.placement import no_span_fits, span_lengths
 from petals.server.settings import (
     FULL_KV_LIMITS,
     GROUPED_KV_LIMITS,
@@ -178,18 +179,19 @@ def adapter_weight_files(settings: ServerSettings) -> dict[str, Path]:
 def choose_num_blocks(
     settings: ServerSettings, config: PretrainedConfig, adapter_weights: Mapping[str, os.PathLike]
 ) -> int:
-    """The blocks asked for (checked against the model), else as many as fit (``plan_num_blocks``)."""
-    total = config.num_hidden_layers
-    blocks = settings.block_indices
-    if blocks is not None:
-        if blocks.stop > total:
-            raise SettingError(
-                "block_indices", f"blocks {blocks.start}:{blocks.stop} asked, but the model has {total}"
-            )
-        return len(blocks)
+    """The blocks asked for (checked against the model), else as many as fit (``plan_num_blocks``).
+    No span may begin or end between layers that share keys and values (``closed_boundaries``)."""
+    from petals.block import closed_boundaries
+
+    total, closed = config.num_hidden_layers, closed_boundaries(config)
+    if settings.block_indices is not None:
+        check_block_indices(settings.block_indices, total, closed)
+        return len(settings.block_indices)
     if settings.num_blocks is not None:
         if settings.num_blocks > total:
             raise SettingError("num_blocks", f"{settings.num_blocks} blocks asked, but the model has {total}")
+        if settings.num_blocks not in span_lengths(total, closed):
+            raise SettingError("num_blocks", no_span_fits(total, settings.num_blocks, closed))
         return settings.num_blocks
     num_blocks, _ = plan_num_blocks(
         config,
@@ -200,7 +202,39 @@ def choose_num_blocks(
         adapter_files=adapter_weights,
         tensor_parallel_devices=settings.tensor_parallel_devices,
     )
-    return num_blocks
+    return longest_placeable(num_blocks, total, closed)
+
+
+def check_block_indices(blocks: range, total: int, closed: frozenset[int]) -> None:
+    """``SettingError`` if ``--block_indices`` end past the model, or split blocks that share keys and
+    values (``petals.kv_cache.check_span``'s message)."""
+    from petals.kv_cache import check_span
+
+    if blocks.stop > total:
+        raise SettingError(
+            "block_indices", f"blocks {blocks.start}:{blocks.stop} asked, but the model has {total}"
+        )
+    try:
+        check_span(closed, blocks.start, blocks.stop)
+    except ValueError as error:
+        raise SettingError("block_indices", str(error)) from None
+
+
+def longest_placeable(num_blocks: int, total: int, closed: frozenset[int]) -> int:
+    """The most blocks, up to the ``num_blocks`` that fit in memory, that a span can hold without splitting
+    blocks that share keys and values (the planned count itself for nearly every model)."""
+    fitting = [length for length in span_lengths(total, closed) if length <= num_blocks]
+    if not fitting:
+        raise SettingError("num_blocks", no_span_fits(total, num_blocks, closed))
+    if fitting[-1] < num_blocks:
+        logger.info(
+            "Serving %d blocks, not %d: no span of %d can be placed without splitting blocks that share "
+            "keys and values",
+            fitting[-1],
+            num_blocks,
+            num_blocks,
+        )
+    return fitting[-1]
 
 
 def device_memory_bytes(device: torch.device | str) -> int:

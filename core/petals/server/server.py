@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 import petals
+from petals.block import closed_boundaries
 from petals.checkpoint_formats import dequantized_from, dequantized_note
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
@@ -34,7 +35,7 @@ from petals.dht import (
 from petals.loading import Checkpoint, load_block
 from petals.membership import load_membership
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
-from petals.policies.placement import MoveHistory
+from petals.policies.placement import MoveHistory, shared_groups
 from petals.reachability import ReachabilityProtocol, check_direct_reachability
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.block_selection import choose_best_blocks, decide_move, make_placement
@@ -65,6 +66,8 @@ class Server:
         self.stored_as = dequantized_from(settings.model, self.config)
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
+        # between layers that share keys and values: no span of blocks may begin or end there
+        self.closed = closed_boundaries(self.config)
         self.all_uids = make_uids(self.dht_prefix, 0, self.total_blocks)
         self.expiration = settings.expiration or max(2 * settings.update_period, 3)
         self.stop = asyncio.Event()
@@ -166,7 +169,7 @@ class Server:
         if self.settings.block_indices is not None:
             return self.settings.block_indices
         infos = await get_remote_module_infos(node, self.all_uids, latest=True)
-        return choose_best_blocks(self.settings.num_blocks, infos, self.placement)
+        return choose_best_blocks(self.settings.num_blocks, infos, self.placement, self.closed)
 
     def server_info(
         self,
@@ -228,6 +231,7 @@ class ServingSpan:
             self.server.dht_prefix,
             self.server.total_blocks,
         )
+        self._log_shared_groups()
         self._announcer = asyncio.create_task(self._announce_periodically())
         await self._announce(ServerState.JOINING)
         hosted = HostedBlocks(await asyncio.to_thread(self._load_blocks))
@@ -265,6 +269,21 @@ class ServingSpan:
             self.settings.attn_cache_tokens,
             self.budget.nbytes / 2**20,
         )
+
+    def _log_shared_groups(self) -> None:
+        """Say which hosted blocks are served together because later layers reuse earlier ones' keys and
+        values: why this span could not begin or end between them."""
+        groups = [
+            f"{group.start}:{group.stop}"
+            for group in shared_groups(self.server.closed)
+            if self.blocks.start < group.stop and group.start < self.blocks.stop
+        ]
+        if groups:
+            logger.info(
+                "Blocks %s share keys and values (later layers attend with those of earlier ones): "
+                "they are served together",
+                ", ".join(groups),
+            )
 
     def _engine(self, hosted: HostedBlocks, metrics: NoMetrics) -> ServingEngine:
         limits = Limits(
@@ -377,6 +396,7 @@ class ServingSpan:
             now=time.monotonic(),
             rng=server.placement_rng,
             history=server.move_history,
+            closed=server.closed,
         )
         logger.info("Balance check: %s", decision.reason)
         new_blocks = decision.blocks
