@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import FalconH1Config, Qwen3_5TextConfig
+from transformers import FalconH1Config, Gemma4TextConfig, Qwen3_5TextConfig
 
 from conftest import TINY_CONFIGS
 from petals.block import allocate_cache, cache_spec, make_block
@@ -127,5 +127,24 @@ def test_a_block_with_a_fixed_size_state_is_refused_in_one_line_naming_its_kind(
         make_tensor_parallel(block, config, DEVICES)
     assert str(error.value) == (
         f"model type {tiny.model_type!r}: a {kind} cache cannot be split over devices yet; "
+        "serve it without --tensor_parallel_devices"
+    )
+
+
+def test_a_block_reusing_keys_and_values_of_another_is_refused_in_one_line_naming_its_kind():
+    """Its keys and values come from its source block, which tensor parallelism would shard apart."""
+    pytest.importorskip("tensor_parallel")
+    tiny = Gemma4TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, vocab_size=128, sliding_window=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 3, hidden_size_per_layer_input=0,
+    )  # fmt: skip
+    config = get_plugin_manager().family(tiny.model_type).config_class.from_dict(tiny.to_dict())
+    with torch.device("meta"):
+        block = make_block(config, 4)  # it reuses those of block 2
+    with pytest.raises(NotImplementedError) as error:
+        make_tensor_parallel(block, config, DEVICES)
+    assert str(error.value) == (
+        "model type 'gemma4_text': a shared sliding attention (8) cache cannot be split over devices yet; "
         "serve it without --tensor_parallel_devices"
     )
