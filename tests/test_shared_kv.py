@@ -4,7 +4,8 @@ A Gemma 4 of 6 layers, sliding and full in turn, whose layers 4 and 5 attend wit
 layers 2 and 3 compute in the same pass (``num_kv_shared_layers=2``), all hosted by one engine: a prefill
 long enough to run in chunks, each through every block, equals the same step run as one pass; the
 reusing blocks hold no memory and count, in ``cache_tokens_left``, as their sources; a request whose
-span splits the sharing blocks, or asks for a backward through them, is refused in one line.
+span splits the sharing blocks is refused in one line; a backward through them gives transformers'
+gradient (block by block, a reusing block would miss its source's keys and values).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 
 import pytest
 import torch
-from transformers import Gemma4TextConfig
+from transformers import Gemma4TextConfig, Gemma4TextModel
 
 from petals.kv_cache import SharedKVSpec, check_span, closed_boundaries
 from petals.plugins import get_plugin_manager
@@ -119,7 +120,7 @@ def test_a_long_prefill_in_chunks_equals_one_pass_and_reusing_blocks_hold_nothin
     torch.testing.assert_close(decoded.result(), expected[1], atol=1e-5, rtol=0)
 
 
-def test_a_span_that_splits_sharing_blocks_or_a_backward_through_them_is_refused_in_one_line(engine):
+def test_a_span_that_splits_sharing_blocks_is_refused_in_one_line(engine):
     hidden = torch.randn(1, 4, 64)
     with pytest.raises(WireError) as refused:
         engine.forward("gemma.4 gemma.5", {}, [hidden])
@@ -132,9 +133,36 @@ def test_a_span_that_splits_sharing_blocks_or_a_backward_through_them_is_refused
     for index in range(2, 6):
         expected = engine.blocks.backends[f"gemma.{index}"].forward(expected, None, shared)
     torch.testing.assert_close(forward.result()[0], expected, atol=1e-6, rtol=0)
-    with pytest.raises(WireError) as refused:
-        engine.backward(ALL, {}, [hidden, torch.randn_like(hidden)])
-    assert str(refused.value) == (
-        "block 4 attends with the keys and values of block 2, and backward through such blocks is not "
-        "served; fine-tune blocks before them"
+
+
+def test_a_backward_through_reusing_blocks_gives_transformers_gradient(blocks):
+    """The reused keys and values carry gradient back into their source blocks: the span runs as one graph."""
+    torch.manual_seed(3)
+    reference = Gemma4TextModel(Gemma4TextConfig(**{**TEXT.to_dict(), "output_hidden_states": True})).eval()
+    config = blocks.config
+    backends = [
+        BlockBackend(f"gemma.{index}", index, config.block_class(config, index).eval(), config, *CPU32)
+        for index in range(6)
+    ]
+    for backend, layer in zip(backends, reference.layers, strict=True):
+        backend.module.load_state_dict(layer.state_dict())
+    engine = ServingEngine(
+        HostedBlocks(backends),
+        CacheBudget(backends, tokens_per_block=4096),
+        LIMITS,
+        Scheduler(max_threads=1),
+        dht_prefix="gemma",
     )
+    embeddings = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(4))
+    grad_output = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
+
+    leaf = embeddings.clone().requires_grad_(True)
+    outputs = []
+    hook = reference.layers[-1].register_forward_hook(lambda module, args, output: outputs.append(output))
+    reference(inputs_embeds=leaf)
+    hook.remove()
+    (expected,) = torch.autograd.grad((outputs[0] * grad_output).sum(), leaf)
+
+    backward = engine.backward(ALL, {}, [embeddings, grad_output])
+    drain(engine)
+    torch.testing.assert_close(backward.result()[0], expected, atol=1e-5, rtol=0)

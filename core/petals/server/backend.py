@@ -183,6 +183,33 @@ class BlockBackend:
         return add_prompt(hidden, prompt.to(self.device, self.dtype) if prompt is not None else None)
 
 
+def backward_span(
+    backends: list[BlockBackend],
+    hidden: torch.Tensor,
+    prompts: list[torch.Tensor | None],
+    grad_output: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of ``sum(output * grad_output)`` w.r.t. the span's input and its blocks' deep prompts,
+    through one autograd graph over all the blocks: later blocks that attend with keys and values of
+    earlier ones (``shared_kv_states``) carry gradient back into those blocks, which block-by-block
+    backward (``BlockBackend.backward``) would drop. Returns ``(grad_input, grad_prompts or None)``, as
+    the block-by-block backward does."""
+    inputs, shared = [], {}
+    hidden = hidden.to(backends[0].device, backends[0].dtype).detach().requires_grad_(True)
+    with torch.enable_grad():
+        for backend, prompt in zip(backends, prompts, strict=True):
+            block_input = backend._input(hidden, prompt)
+            inputs.append(block_input)
+            with using_adapter(backend.module, backend.adapter) as module:
+                hidden = module(block_input, None, **shared_kv_kwargs(module, shared))
+        grad = grad_output.to(hidden.device, hidden.dtype)
+        grads = torch.autograd.grad((hidden * grad).sum(), inputs)
+    grad_prompts = [
+        grads[index][:, : prompt.shape[-2]] for index, prompt in enumerate(prompts) if prompt is not None
+    ]
+    return grads[0], torch.stack(grad_prompts) if grad_prompts else None
+
+
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
     if prompt is None:
         return hidden

@@ -32,7 +32,7 @@ import torch
 
 from petals.block import closed_boundaries
 from petals.kv_cache import check_span
-from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks
+from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks, backward_span
 from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
 from petals.server.scheduler import Batch, Priority, Scheduler, Task, call, task_kind
@@ -127,14 +127,11 @@ class ServingEngine:
     def backward(self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]) -> Future:
         """Gradients w.r.t. the inputs (and the deep prompts, if any) for ``(inputs, grad_outputs, prompts)``."""
         backends = self.backends(uid_chain, metadata)
-        reusing = [backend for backend in backends if backend.cache_spec.reads_from is not None]
-        if reusing:  # each block's backward would miss the gradient its reused keys and values carry
-            raise WireError(
-                f"block {reusing[0].index} attends with the keys and values of block "
-                f"{reusing[0].cache_spec.reads_from}, and backward through such blocks is not served; "
-                "fine-tune blocks before them"
-            )
         args, grad = backward_args(tensors, metadata.get("args_structure"), len(backends), *self._sizes)
+        if any(backend.cache_spec.reads_from is not None for backend in backends):
+            # a block's own backward would miss the gradient that flows through the keys and values a
+            # later block reuses: the span runs as one graph
+            return self._submit(_span_backward_job(backends, args, grad))
         return self._submit(_backward_job(backends, args, grad, self.graphs))
 
     async def open_session(
@@ -365,6 +362,14 @@ def _backward_job(
         return (yield from _backward_pass(steps, args.prompts, grad_output, tokens))
     finally:
         graphs.hold(-kept)
+
+
+def _span_backward_job(backends: Sequence[BlockBackend], args: StepArgs, grad_output: torch.Tensor) -> Job:
+    """The span forward as one autograd graph, then its backward, in one task: for spans where later
+    blocks reuse the keys and values of earlier ones (``backward_span``)."""
+    run = _bind(backward_span, backends, args.hidden, args.prompts, grad_output)
+    grad_input, grad_prompts = yield call(Priority.FORWARD, args.tokens, run, "forward+backward")
+    return [grad_input] if grad_prompts is None else [grad_input, grad_prompts]
 
 
 def _backward_pass(
