@@ -210,6 +210,9 @@ def test_greedy_tokens_equal_transformers_through_a_killed_server(kind, tmp_path
             output = model.generate(ids, stopping_criteria=[killer], **kwargs)
             survivors = {str(span.peer_id) for span in session.route}
         model.close()
+    if kind == "shared-keys-and-values":  # placement says why these blocks go together
+        for server in servers[1:]:
+            assert "Blocks 2:6 share keys and values" in server.log, server.log
     assert killer.killed is not None, "the session never reached the kill point"
     assert killer.killed.peer_id not in survivors
     assert torch.equal(output.sequences, expected.sequences)
