@@ -33,5 +33,6 @@ class DistributedGemma4TextConfig(DistributedConfigMixin, Gemma4TextConfig):
 
     def adjust_client_model(self, model) -> None:
         # built without layers, transformers' model takes layer 0 for the first of those that share keys and
-        # values, and would cut a prompt to its last token before the remote layers: no served layer shares
+        # values, and would cut a prompt to its last token before the remote layers, which need every
+        # position (servers cut nothing: a reusing layer's keys and values come from its source's pass)
         model.base_model.first_kv_shared_layer_idx = self.num_hidden_layers
