@@ -14,8 +14,11 @@ import asyncio
 
 import pytest
 import torch
-from transformers import Gemma4TextConfig, Gemma4TextModel
+from transformers import AutoModelForCausalLM, Gemma4TextConfig, Gemma4TextModel
 
+from conftest import save_random_model
+from petals.auto import AutoDistributedConfig
+from petals.client.verification import LocalBlocks
 from petals.kv_cache import SharedKVSpec, check_span, closed_boundaries
 from petals.plugins import get_plugin_manager
 from petals.server.backend import BlockBackend, HostedBlocks
@@ -166,3 +169,24 @@ def test_a_backward_through_reusing_blocks_gives_transformers_gradient(blocks):
     backward = engine.backward(ALL, {}, [embeddings, grad_output])
     drain(engine)
     torch.testing.assert_close(backward.result()[0], expected, atol=1e-5, rtol=0)
+
+
+def test_a_verifying_clients_own_copy_runs_reusing_blocks_in_one_pass(tmp_path):
+    """The judge a client falls back to when no other server serves a span (``verify``) hands its blocks
+    one dict per pass too, and gives transformers' outputs."""
+    config = Gemma4TextConfig(**{**TEXT.to_dict(), "output_hidden_states": True})
+    path = save_random_model(config, tmp_path / "gemma4")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    embeddings = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(6))
+    outputs = []
+    hook = reference.model.layers[-1].register_forward_hook(
+        lambda module, args, output: outputs.append(output)
+    )
+    with torch.no_grad():
+        reference(inputs_embeds=embeddings)
+    hook.remove()
+    distributed = AutoDistributedConfig.from_pretrained(path)
+    distributed.name_or_path = str(path)  # as the client model sets it
+    torch.testing.assert_close(
+        LocalBlocks(distributed).run(0, 6, embeddings, None), outputs[0], atol=1e-5, rtol=0
+    )

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from hivemind.p2p import PeerID
 
+from petals.block import shared_kv_kwargs
 from petals.client.server_session import ServerSession
 from petals.client.suspects import Suspects
 from petals.data_structures import RemoteSpanInfo
@@ -234,7 +235,7 @@ class LocalBlocks:
 
     def run(self, start: int, end: int, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
         """Blocks ``[start, end)`` on ``inputs`` (every position, no cache); ``prompts`` per block or None."""
-        hidden = inputs.float()
+        hidden, shared = inputs.float(), {}  # one pass: see petals.block.shared_kv_kwargs
         with self._lock, torch.no_grad():
             for index in range(start, end):
                 if index not in self._blocks:
@@ -242,7 +243,8 @@ class LocalBlocks:
                         self.config.name_or_path, index, torch.float32, config=self.config
                     )
                 prompt = prompts[index - start].float() if prompts is not None else None
-                hidden = self._blocks[index](add_prompt(hidden, prompt))
+                block = self._blocks[index]
+                hidden = block(add_prompt(hidden, prompt), None, **shared_kv_kwargs(block, shared))
         return hidden
 
 
