@@ -62,7 +62,10 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in before}
 
 
-def test_first_server_pushes_into_the_second_and_each_step_runs_once(swarm):
+def test_first_server_pushes_into_the_second_and_each_step_runs_once(swarm, monkeypatch):
+    # On loopback the announced ping and the client's pings it is compared with are all noise: pin
+    # the choice (test_pushes_go_only_where_they_arrive_before_the_clients_copy tests it).
+    monkeypatch.setattr(RemoteSequenceManager, "push_pays", lambda self, span, next_peer: True)
     before = stats(swarm)
     assert torch.equal(generate(swarm), local_generate(swarm))
     first, second = (delta(after, earlier) for after, earlier in zip(stats(swarm), before, strict=True))
