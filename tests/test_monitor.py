@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import petals
 from conftest import launch_chromium, petals_health
 from petals.cli.health import CLEAR_SCREEN
+from petals.data_structures import ServerInfo
 from petals.testing.swarm import InProcessDht, InProcessServer, SwarmProcess, start_monitor, start_server
 from petals.testing.wire_client import WireClient
 
@@ -157,6 +158,7 @@ def swarm(tiny_model_path):
         for server in others:
             server.wait_ready(timeout=120)
         servers = [alice, *others]
+        wait_for_announced_pings(peers, LLAMA, alice.peer_id, others[0].peer_id)
         monitor = stack.enter_context(start_monitor(peers, "--update_period", str(UPDATE_PERIOD)))
         yield {
             "peers": peers,
@@ -166,6 +168,23 @@ def swarm(tiny_model_path):
             "common": common,
             "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
         }
+
+
+def wait_for_announced_pings(peers: list[str], dht_prefix: str, sender: str, receiver: str) -> None:
+    """Wait until ``sender`` announces its ping to ``receiver``: a first announcement can come before
+    the receiver is announced (the servers start together), and the next one only an update period on."""
+    client = WireClient(peers)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            entry = client.dht_get(f"{dht_prefix}.0")
+            record = entry.value.get(sender) if entry is not None else None
+            if record is not None and receiver in (ServerInfo.from_tuple(record.value).next_pings or {}):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{sender} did not announce a ping to {receiver} within 60 s")
+    finally:
+        client.close()
 
 
 def get_json(url: str) -> dict:
