@@ -60,15 +60,21 @@ def test_quantization_and_more_devices_fit_more_blocks(llama_config):
     assert plan(tensor_parallel_devices=["cpu", "cpu"]) < plan()  # the same memory, two autograd reserves
 
 
+def qwen3_5_config(num_key_value_heads: int):
+    """A tiny Qwen3.5: three linear-attention layers, then a full-attention one."""
+    text = Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=num_key_value_heads, head_dim=16, vocab_size=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    return get_plugin_manager().family("qwen3_5_text").config_class.from_dict(text.to_dict())
+
+
 def test_a_model_of_mixed_kinds_is_planned_by_each_blocks_own_cache():
     """Qwen3.5: three linear-attention blocks (a few sequence states) for each full-attention one (a
     pool of tokens): four blocks cost three small caches and one large, not four large ones."""
-    text = Qwen3_5TextConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=128, layer_types=["linear_attention"] * 3 + ["full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-    )  # fmt: skip
-    config = get_plugin_manager().family("qwen3_5_text").config_class.from_dict(text.to_dict())
+    config = qwen3_5_config(num_key_value_heads=2)
     linear, full = (
         estimate_block_weight_bytes(config, torch.float32, block_index=index)
         + cache_spec(config, index).budget_bytes(16384, torch.float32)
@@ -182,6 +188,16 @@ def test_grouped_query_models_get_larger_defaults_than_full_attention_ones(tiny_
     assert (GROUPED_KV_LIMITS.attn_cache_tokens, FULL_KV_LIMITS.attn_cache_tokens) == (16384, 4096)
     assert (GROUPED_KV_LIMITS.max_batch_size, FULL_KV_LIMITS.max_batch_size) == (8192, 2048)
     assert (GROUPED_KV_LIMITS.inference_max_length, FULL_KV_LIMITS.inference_max_length) == (8192, 2048)
+
+
+def test_a_grouped_query_model_whose_first_blocks_keep_states_gets_the_grouped_defaults():
+    """Qwen3.5: linear-attention blocks first (no heads to group), then grouped-query attention."""
+    config = qwen3_5_config(num_key_value_heads=2)
+    kinds = [cache_spec(config, index).kind for index in range(4)]
+    assert kinds == ["linear_attention"] * 3 + ["full_attention"]
+    assert default_limits(config) == GROUPED_KV_LIMITS
+    # one key/value head per query head: the full-attention defaults
+    assert default_limits(qwen3_5_config(num_key_value_heads=4)) == FULL_KV_LIMITS
 
 
 def test_the_planner_defaults_to_the_limits_a_server_would_choose(tiny_model_path):

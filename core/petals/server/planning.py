@@ -140,10 +140,19 @@ def choose_quant_type(
 
 
 def default_limits(config: PretrainedConfig) -> ModelLimits:
-    """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA)."""
+    """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA) in
+    every layer that attends, as in Petals; the layers that keep a fixed-size state instead (linear
+    attention) or reuse another's keys and values have no say, whichever block comes first."""
     from petals.block import cache_spec
 
-    return GROUPED_KV_LIMITS if getattr(cache_spec(config, 0), "group_size", 1) > 1 else FULL_KV_LIMITS
+    groups = []
+    for index in range(config.num_hidden_layers):
+        spec = cache_spec(config, index)
+        # a hybrid layer's or a sharing layer's attention part; an attention spec is its own
+        group_size = getattr(getattr(spec, "attention", spec), "group_size", None)
+        if group_size is not None and spec.reads_from is None:
+            groups.append(group_size)
+    return GROUPED_KV_LIMITS if min(groups, default=2) > 1 else FULL_KV_LIMITS
 
 
 def choose_limits(settings: ServerSettings, config: PretrainedConfig) -> dict[str, int]:
