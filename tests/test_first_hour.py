@@ -121,3 +121,25 @@ def test_the_install_section_lists_every_extra_the_errors_name():
     assert {"simulate", "api", "monitor", "quantization"} <= named
     missing = sorted(extra for extra in named if f"./core[{extra}]" not in install)
     assert missing == [], missing
+
+
+def test_petals_simulate_plot_without_matplotlib_names_the_extra_before_simulating(tmp_path):
+    """``--plot`` needs the ``simulate`` extra: without matplotlib, one line says which, before any work."""
+    hide_matplotlib = (
+        "import importlib.util as util; found = util.find_spec; "
+        "util.find_spec = lambda name, *args: None if name == 'matplotlib' else found(name, *args); "
+        "from petals.cli import main; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", hide_matplotlib, "simulate", "--servers", "12", "--blocks", "6"]
+        + ["--hours", "0.25", "--plot", str(tmp_path / "plot.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "Error: --plot needs matplotlib: pip install 'petals-core[simulate]' (or leave out --plot)"
+    ], result.stderr
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
