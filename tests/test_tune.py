@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -173,10 +174,18 @@ def test_ctrl_c_saves_what_was_trained_so_far(model_path, peers, data, tmp_path)
     out, metrics = tmp_path / "prompts.safetensors", tmp_path / "metrics.json"
     args = tune_args(model_path, peers, data, out, "--json", str(metrics))
     args[args.index("--steps") + 1] = "10000"
-    with SwarmProcess("petals tune", ["petals.cli", *args]) as tune:
+    # faulthandler: a tune that does not stop is made to print every thread's stack (seen once in CI, at
+    # 60 s, and not in 28 runs here, so what it waits on is still unknown)
+    with SwarmProcess("petals tune", ["petals.cli", *args], env={"PYTHONFAULTHANDLER": "1"}) as tune:
         tune.wait_for(lambda: steps_shown(tune.log) >= 3, 180, "three steps")
         tune.process.send_signal(signal.SIGINT)
-        assert tune.process.wait(60) == 130, tune.log
+        try:
+            returncode = tune.process.wait(60)
+        except subprocess.TimeoutExpired:
+            tune.process.send_signal(signal.SIGABRT)
+            tune.process.wait(30)
+            pytest.fail(f"petals tune did not stop within 60 s of Ctrl-C; its threads:\n{tune.log[-20000:]}")
+        assert returncode == 130, tune.log
     written = json.loads(metrics.read_text())
     assert written["interrupted"] and 3 <= len(written["steps"]) < 10000
     assert "Interrupted after" in tune.log and out.is_file()
