@@ -372,7 +372,7 @@ def test_an_outsider_is_told_in_one_line_that_the_swarm_is_private(swarm, caplog
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     private = [message for message in warnings if "this swarm is private" in message]
     assert len(private) == 1 and "--swarm_authority" in private[0], warnings
-    assert not any("Ignoring a DHT record" in message for message in warnings), warnings
+    assert warnings == private  # nothing per record it cannot read: those are DEBUG lines
 
 
 def test_petals_generate_without_the_options_says_which_to_pass(swarm, tiny_model_with_tokenizer):
