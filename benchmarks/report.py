@@ -39,6 +39,11 @@ def describe(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cell(text: str) -> str:
+    """``text`` in a Markdown table cell: a pipe in it (``max |diff|``) would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def table(records: list[dict[str, Any]]) -> str:
     rows = [
         "| benchmark | measured | goal | met? |",
@@ -51,7 +56,7 @@ def table(records: list[dict[str, Any]]) -> str:
             )
         for check in record["checks"]:
             rows.append(
-                f"| ({record['item']}) {record['benchmark']}: {check['name']} | {formatted(check['value'], check['unit'])} "
+                f"| ({record['item']}) {record['benchmark']}: {cell(check['name'])} | {formatted(check['value'], check['unit'])} "
                 f"| {check['op']} {formatted(check['goal'], check['unit'])} | {'yes' if check['met'] else 'no'} |"
             )
     if records:
