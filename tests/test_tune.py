@@ -5,9 +5,12 @@ by other models."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +194,28 @@ def test_ctrl_c_saves_what_was_trained_so_far(model_path, peers, data, tmp_path)
     assert "Interrupted after" in tune.log and out.is_file()
     with safe_open(out, framework="pt") as file:
         assert file.metadata()["tuning_mode"] == "deep_ptune"
+
+
+def test_the_first_ctrl_c_asks_the_run_to_stop_and_the_second_stops_it():
+    """A flag for the first: an exception raised by a signal handler can be lost (CI saw a tune train
+    on for 60 s after its Ctrl-C); a second Ctrl-C raises, for a step that does not end."""
+    from petals.cli.tune import stopped_by_ctrl_c
+
+    stop, before = threading.Event(), signal.getsignal(signal.SIGINT)
+    with stopped_by_ctrl_c(stop):
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_until(stop.is_set)  # the handler runs in this thread, between bytecodes
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            wait_until(lambda: False)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def wait_until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)
 
 
 def steps_shown(log: str) -> int:

@@ -6,16 +6,19 @@ completion's tokens (and the end-of-sequence token after it). Rows of a batch ar
 right, where a causal model's earlier positions never see the padding. Only the prompts train
 (``--mode ptune``: before the input; ``deep_ptune``: also before every block's input), with Adam.
 A step that fails (the swarm lost every server of some blocks for a while) is retried with the
-same batch, so a fault costs a retried step, never a different run. Ctrl-C saves what was
-trained so far.
+same batch, so a fault costs a retried step, never a different run. Ctrl-C ends the step under
+way and saves what was trained so far; a second Ctrl-C stops at once, and saves too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,8 +206,9 @@ class TuneRun:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 
-    def run(self, metrics: Metrics) -> None:
-        """Train for ``steps`` (evaluating before, every ``eval_every`` steps and at the end)."""
+    def run(self, metrics: Metrics, stop: threading.Event | None = None) -> None:
+        """Train for ``steps`` (evaluating before, every ``eval_every`` steps and at the end), or until
+        ``stop`` is set: then the step under way ends first."""
         import torch
         from tqdm import tqdm
 
@@ -215,6 +219,8 @@ class TuneRun:
             batch_order(len(self.train), self.batch_size, self.steps, self.seed), desc="tune", unit="step"
         )
         for step, indices in enumerate(progress, start=1):
+            if stop is not None and stop.is_set():
+                break
             started = time.perf_counter()
             examples = [self.train[index] for index in indices]
             loss = train_step(self.model, optimizer, examples, self.pad_id, metrics, step)
@@ -237,6 +243,27 @@ class TuneRun:
         result = evaluate(self.model, self.tokenizer, self.held_out, self.pad_id, self.chat)
         metrics.evals.append({"step": step, **result})
         click.echo(eval_line(step, result), err=True)
+
+
+@contextlib.contextmanager
+def stopped_by_ctrl_c(stop: threading.Event) -> Iterator[None]:
+    """Within the block, the first Ctrl-C sets ``stop`` and the second raises ``KeyboardInterrupt``.
+
+    A flag, not an exception: Python runs a signal's handler between any two bytecodes of the main
+    thread, and an exception raised there can be lost (inside a finalizer, ``__del__`` or a weakref
+    callback, it is printed as ignored). CI saw a Ctrl-C lost so: the tune trained on for 60 s, its
+    main thread in the next step's backward; where the exception went was not caught."""
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @click.command("tune", cls=PetalsCommand)
@@ -314,9 +341,13 @@ def tune_command(model: str, out: str, json_path: str | None, **options: Any) ->
             [make_example(tokenizer, row, options["chat"]) for row in held_out_rows],
             **{key: options[key] for key in ("steps", "lr", "batch_size", "eval_every", "seed", "chat")},
         )
+        stop = threading.Event()
         try:
-            run.run(metrics)
-        except KeyboardInterrupt:
+            with stopped_by_ctrl_c(stop):
+                run.run(metrics, stop)
+        except KeyboardInterrupt:  # a second Ctrl-C: at once
+            stop.set()
+        if stop.is_set():
             metrics.interrupted = True
             status(f"Interrupted after {len(metrics.steps)} step(s): saving what was trained so far")
         distributed.save_prompts(out)
