@@ -337,7 +337,7 @@ def test_a_hybrid_keeps_its_attention_part_by_the_manager_of_that_kind(attention
     assert type(open_cache(spec, 1, 16, pool=pool).attention) is manager
 
 
-def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():
+def test_the_budget_admits_a_hybrid_block_by_the_bytes_of_both_its_pages_and_its_states():
     tiny = FalconH1Config(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=100, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4,
@@ -348,20 +348,39 @@ def test_the_budget_admits_a_hybrid_block_by_both_its_pages_and_its_states():
         for index in range(2)
     ]
     assert all(isinstance(backend.cache_spec, HybridSpec) for backend in backends)
-    budget = CacheBudget(backends, tokens_per_block=2 * TOKENS_PER_SEQUENCE)  # pages of 512 tokens, 2 states
+    budget = CacheBudget(backends, tokens_per_block=2 * TOKENS_PER_SEQUENCE)
     spec = backends[0].cache_spec
-    assert budget.nbytes == 2 * spec.budget_bytes(2 * TOKENS_PER_SEQUENCE, torch.float32)
-    assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE
-    with pytest.raises(AllocationFailed, match="needs 3 × 1 sequence states of cache in block 0"):
-        asyncio.run(budget.admit(backends, 3, 64, 8, timeout=0))
-    asyncio.run(budget.admit(backends, 2, 64, 8, timeout=0))
-    caches = budget.open_caches(backends, 2, 64)  # both states of each block are taken
-    assert budget.tokens_left == 0
-    with pytest.raises(AllocationFailed, match="needs 1 sequence states in block 0, 0 are free"):
-        asyncio.run(budget.admit(backends, 1, 64, 8, timeout=0))
+    (arena,) = budget.arenas.values()
+    planned = 2 * spec.budget_bytes(2 * TOKENS_PER_SEQUENCE, torch.float32)  # as the planner counts it
+    assert planned - arena.page_nbytes < budget.nbytes <= planned
+    # one arena: both parts of both blocks take its pages, a state one page, keys as many tokens as fit
+    attention, state = budget.parts["h1.0"]
+    assert attention.arena is state.arena is arena and budget.parts["h1.1"][0].arena is arena
+    assert arena.page_nbytes >= state.slot_nbytes(spec.state, torch.float32)
+    assert attention.page_tokens == arena.page_nbytes // attention.row_nbytes(spec.attention, torch.float32)
+    per_sequence = 2 * (1 + attention.pages_for(64))  # of max_length 64, in both blocks
+    fit = arena.num_pages // per_sequence
+    assert budget.tokens_left == 2 * 2 * budget.longest_session() > 2 * 2 * 64
+    with pytest.raises(
+        AllocationFailed, match=f"{fit + 1} × {per_sequence // 2 * 2} pages of .* whole budget is"
+    ):
+        asyncio.run(budget.admit(backends, fit + 1, 64, 8, timeout=0))
+    asyncio.run(budget.admit(backends, fit, 64, 8, timeout=0))
+    caches = budget.open_caches(backends, fit, 64)
+    for cache in caches:
+        cache.reserve(64)  # every sequence at its max_length: the arena holds no other sequence of 64
+    assert arena.free_pages == arena.num_pages - fit * per_sequence < per_sequence
+    assert budget.longest_session() < 64
+    assert budget.bytes_by_kind() == {
+        "full_attention": fit * 2 * attention.pages_for(64) * arena.page_nbytes,
+        "linear_attention": fit * 2 * arena.page_nbytes,
+    }
+    with pytest.raises(AllocationFailed, match="first step needs"):
+        asyncio.run(budget.admit(backends, 1, 64, 64, timeout=0))
     for cache in caches:
         cache.release()
-    assert budget.tokens_left == 2 * 2 * 2 * TOKENS_PER_SEQUENCE
+    assert arena.free_pages == arena.num_pages and budget.bytes_used == 0
+    assert budget.tokens_left == 2 * 2 * budget.longest_session() > 2 * 2 * 64
 
 
 def test_a_waiting_admission_is_woken_when_another_session_gives_its_pages_back():
@@ -370,7 +389,8 @@ def test_a_waiting_admission_is_woken_when_another_session_gives_its_pages_back(
         BlockBackend(f"llama.{index}", index, torch.nn.Identity(), config, torch.float32, torch.device("cpu"))
         for index in range(2)
     ]
-    budget = CacheBudget(backends, tokens_per_block=32, page_tokens=16)  # two pages per block
+    budget = CacheBudget(backends, tokens_per_block=32, page_tokens=16)  # four pages in all
+    assert [arena.num_pages for arena in budget.arenas.values()] == [4]
     taken = budget.open_caches(backends, 1, 32)
     for cache in taken:
         cache.reserve(32)
@@ -386,7 +406,7 @@ def test_a_waiting_admission_is_woken_when_another_session_gives_its_pages_back(
         return time.monotonic() - freed
 
     assert asyncio.run(wait_then_free()) < 5
-    assert budget.tokens_left == 2 * 2 * 32
+    assert budget.tokens_left == 2 * 2 * 32  # the longest session: two pages in each block
 
 
 # a latent of 6 and a rope key of 2 as one key/value "head" read by 4 query heads, and indexer keys of 3

@@ -1,6 +1,6 @@
 """Sessions at different positions share one forward per block, and pay only for the pages they use.
 
-One server with a small KV-cache budget (10 pages of 16 tokens per block): sessions of different
+One server with a small KV-cache budget (10 pages of 16 tokens per block, 40 pages its 4 blocks share): sessions of different
 lengths and batch sizes step together and each gets exactly what it gets alone; a session that finds
 no free page fails alone and its neighbour keeps computing what it computes alone.
 """

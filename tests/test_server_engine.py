@@ -333,7 +333,12 @@ def hybrid():
     ]
     with using_plugin_manager(manager):
         blocks = HostedBlocks(backends)
-        budget = CacheBudget(backends, tokens_per_block=3 * TOKENS_PER_SEQUENCE)  # states for three sequences
+        # bytes for three sequences of 64 tokens: a state page in each linear-attention block, and the
+        # attention block's pages for 64 tokens, all pages of the one arena
+        probe = CacheBudget(backends, tokens_per_block=TOKENS_PER_SEQUENCE)
+        (page_nbytes,) = {arena.page_nbytes for arena in probe.arenas.values()}
+        per_sequence = 3 + probe.pools["hybrid.3"][0].pages_for(64)
+        budget = CacheBudget(backends, TOKENS_PER_SEQUENCE, nbytes=3 * per_sequence * page_nbytes)
         yield blocks, ServingEngine(blocks, budget, LIMITS, Scheduler(max_threads=1), dht_prefix="hybrid")
 
 
@@ -349,9 +354,15 @@ def test_a_hybrid_model_merges_rewinds_and_admits_sessions_by_their_states(hybri
         engine.inference_step(session, args, {})
         drain(engine)
         sessions.append(session)
-    with pytest.raises(AllocationFailed, match="whole budget is 3"):
+    (arena,) = engine.budget.arenas.values()
+    with pytest.raises(
+        AllocationFailed,
+        match=r"needs .* of cache \(4 × 64 tokens: 4 × \d+ pages of .*\) but the server's whole budget is",
+    ):
         asyncio.run(engine.open_session(uids, {"max_length": 64}, [torch.randn(4, 1, 64)]))
-    with pytest.raises(AllocationFailed, match="needs 1 sequence states in block 0, 0 are free"):
+    # each sequence holds a state page per linear-attention block and its keys' first page: too few are left
+    assert arena.free_pages == arena.num_pages - 3 * 4 < 4
+    with pytest.raises(AllocationFailed, match=r"first step needs .* \(4 pages\), .* are free"):
         asyncio.run(engine.open_session(uids, {"max_length": 64}, [torch.randn(1, 1, 64)]))
 
     def step_all(rewind: bool) -> list[torch.Tensor]:

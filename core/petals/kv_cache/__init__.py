@@ -10,13 +10,18 @@ engine, the sessions and tensor-parallel shards use without asking which kind th
   ``reorder(hypo_ids)``, ``release()``;
 * ``merged(caches)`` / ``view()``: the transformers ``Cache`` a block's forward is given, over one
   or several sessions' rows (``PagedCache``, ``StateCache``), answering for the block's own layer index;
-* ``make_pool(spec, tokens, page_tokens, dtype, device)``: a block's memory for its sessions, sized
-  from the server's per-block token budget.
+* ``make_pool(spec, tokens, page_tokens, dtype, device, arena=...)``: a block's memory for its
+  sessions, on the server's arena (or of its own for ``tokens`` tokens: tests, measurements);
+* ``page_demand(spec, dtype, page_tokens)``: the bytes of a page the kind needs, and of its rows
+  (what the arena's page size is made from).
 
-Attention kinds keep keys and values in fixed-size pages from one ``PagePool`` per block, taken as
-sessions grow and given back when they rewind, slide past their window or end, so memory is held
-for the tokens a kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
-a fixed-size state per sequence instead, one slot of a ``StatePool`` (``petals.kv_cache.states``),
+A server's memory for its sessions is one ``PageArena`` per device (``petals.kv_cache.arena``): pages
+of equal bytes on one free list, which every block's pool lays out its own way, so memory goes to
+whichever kind needs it and the server's budget and admission count bytes. Attention kinds keep keys
+and values in a ``PagePool`` per block, a page holding as many tokens as fit, taken as sessions grow
+and given back when they rewind, slide past their window or end, so memory is held for the tokens a
+kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
+a fixed-size state per sequence instead, a page of a ``StatePool`` (``petals.kv_cache.states``),
 with or without a recurrent state (a short convolution keeps only its inputs). A hybrid layer
 (``HybridSpec``: a state-space mixer beside attention) keeps both, in a pool of each (``HybridPool``).
 Indexed attention (``IndexedAttentionSpec``: a sparse-attention indexer beside attention) keeps its
@@ -31,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from petals.kv_cache.arena import PageArena
 from petals.kv_cache.attention import (
     AttentionCache,
     PagedCache,
@@ -165,6 +171,7 @@ __all__ = [
     "LinearAttentionSpec",
     "LinearAttentionState",
     "OutOfPagesError",
+    "PageArena",
     "PagePool",
     "PagedCache",
     "PagedLayer",

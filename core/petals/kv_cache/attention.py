@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
+from petals.kv_cache.arena import PageArena
 from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, PagePool
 from petals.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -77,9 +78,24 @@ class AttentionCache:
         page_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        arena: PageArena | None = None,
+        home: int = 0,
     ) -> PagePool:
-        """A block's pool for ``tokens`` tokens of this kind, shared by its sessions."""
+        """A block's pool, shared by its sessions: on a server's ``arena`` (its pages, looked for from
+        ``home`` on), or of its own for ``tokens`` tokens in pages of ``page_tokens``."""
+        if arena is not None:
+            return cls.pool_class(spec, dtype=dtype, arena=arena, home=home)
         return cls.pool_class(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
+
+    @classmethod
+    def page_demand(
+        cls, spec: FullAttentionSpec, dtype: torch.dtype, page_tokens: int
+    ) -> tuple[tuple[int, int], ...]:
+        """``(bytes, row bytes)`` of a page of ``page_tokens`` tokens of this kind, one token a row (what an
+        arena's page size is made from)."""
+        row = cls.pool_class.row_nbytes(spec, dtype)
+        return ((page_tokens * row, row),)
 
     @staticmethod
     def merged(caches: Sequence[AttentionCache]) -> PagedCache:
@@ -123,9 +139,10 @@ class AttentionCache:
         with self.pool.lock:
             if self._released:
                 raise RuntimeError("this session's cache was released: the session has ended")
-            pages = self.pool.take(missing * self.num_sequences)
-            for row, table in enumerate(self.tables):
-                table.extend(pages[row * missing : (row + 1) * missing])
+            if missing * self.num_sequences > self.pool.free_pages:
+                self.pool.take(missing * self.num_sequences)  # raises, taking none
+            for table in self.tables:  # each row after its last page: a lone sequence's pages stay in a row
+                table.extend(self.pool.take(missing, table[-1] if table else None))
         self._changed()
 
     def visible_offset(self, length: int) -> int:

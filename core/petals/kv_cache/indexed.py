@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from petals.kv_cache.attention import AttentionCache, PagedCache, PagedLayer
-from petals.kv_cache.pages import PAGE_TOKENS, PagePool
+from petals.kv_cache.pages import PagePool
 from petals.kv_cache.specs import IndexedAttentionSpec
 
 
@@ -29,20 +29,13 @@ class IndexedPagePool(PagePool):
 
     spec: IndexedAttentionSpec
 
-    def __init__(
-        self,
-        spec: IndexedAttentionSpec,
-        num_pages: int,
-        page_tokens: int = PAGE_TOKENS,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(spec, num_pages, page_tokens, dtype, device)
-        self.index_keys = torch.empty((num_pages * page_tokens, spec.index_dim), dtype=dtype, device=device)
+    @classmethod
+    def token_shapes(cls, spec: IndexedAttentionSpec) -> list[tuple[int, ...]]:
+        return [*super().token_shapes(spec), (spec.index_dim,)]
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*super().tensors, self.index_keys)
+    def index_keys(self) -> torch.Tensor:
+        return self.tensors[2]
 
 
 class IndexedAttentionCache(AttentionCache):

@@ -53,9 +53,19 @@ class SharedKVCache:
 
     @classmethod
     def make_pool(
-        cls, spec: SharedKVSpec, tokens: int, page_tokens: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        spec: SharedKVSpec,
+        tokens: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        **where,
     ) -> SharedKVPool:
         return SharedKVPool(spec)
+
+    @staticmethod
+    def page_demand(spec: SharedKVSpec, dtype: torch.dtype, page_tokens: int) -> tuple[tuple[int, int], ...]:
+        return ()
 
     @staticmethod
     def merged(caches: Sequence[SharedKVCache]) -> SharedRowsCache:

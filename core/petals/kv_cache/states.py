@@ -34,74 +34,92 @@ budget and the planner count (``bytes_per_sequence``), so they are few (``REWIND
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from petals.kv_cache.arena import PageArena, aligned, field
 from petals.kv_cache.attention import (
     AttentionCache,
     PagedLayer,
     RowsCache,
     check_hypo_ids,
 )
-from petals.kv_cache.pages import CacheOverflowError, OutOfPagesError, PagePool
+from petals.kv_cache.pages import CacheOverflowError, PagePool
 from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, HybridSpec, LinearAttentionSpec
 
 
 class StatePool:
-    """One block's linear-attention states: ``num_pages`` sequence slots, each a live state and its
-    snapshots, shared by the block's sessions. ``page_tokens`` is the share of the server's token budget
-    one slot stands for (``free_tokens`` speaks the budget's unit); slots are taken under a lock, and
-    ``on_free`` callbacks hear of slots given back, as a ``PagePool``'s."""
+    """One block's linear-attention states, one sequence's slot to a page of an arena: its live state and
+    its snapshots, shared by the block's sessions. ``page_tokens`` is the share of the server's token
+    budget one slot stands for (``TOKENS_PER_SEQUENCE``). On a server's ``arena`` the
+    slots are pages of the free list every block shares; alone, the pool has ``num_pages`` of its own.
+    Slots are taken under the arena's lock, and ``on_free`` callbacks hear of slots given back."""
 
     def __init__(
         self,
         spec: LinearAttentionSpec,
-        num_pages: int,
+        num_pages: int = 0,
         page_tokens: int = TOKENS_PER_SEQUENCE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        arena: PageArena | None = None,
+        home: int = 0,
     ) -> None:
-        if num_pages < 1:
-            raise ValueError(f"a state pool needs sequence slots, got {num_pages}")
-        self.spec, self.num_pages, self.page_tokens = spec, num_pages, page_tokens
+        if arena is None:
+            if num_pages < 1:
+                raise ValueError(f"a state pool needs sequence slots, got {num_pages}")
+            arena = PageArena(num_pages, aligned(self.slot_nbytes(spec, dtype)), device)
+        if arena.page_nbytes < self.slot_nbytes(spec, dtype):
+            raise ValueError(
+                f"a sequence's state takes {self.slot_nbytes(spec, dtype)} bytes, more than a page of {arena.page_nbytes}"
+            )
+        self.spec, self.arena, self.home = spec, arena, home
+        self.num_pages, self.page_tokens = arena.num_pages, page_tokens
         copies = 1 + spec.snapshots  # index 0: the live state
-        self.conv = torch.zeros(
-            (num_pages, copies, spec.conv_dim, spec.conv_kernel), dtype=dtype, device=device
-        )
+        self.conv = field(arena.storage, 0, dtype, (copies, spec.conv_dim, spec.conv_kernel))
         self.recurrent = (  # None: a layer that keeps its convolution's inputs only
             None
             if spec.recurrent_shape is None
-            else torch.zeros(
-                (num_pages, copies, *spec.recurrent_shape), dtype=spec.state_dtype(dtype), device=device
+            else field(
+                arena.storage,
+                aligned(self.conv[0].nbytes),
+                spec.state_dtype(dtype),
+                (copies, *spec.recurrent_shape),
             )
         )
-        self.lock = threading.RLock()
-        self._free = list(range(num_pages - 1, -1, -1))
-        self.on_free: list[Callable[[], None]] = []
+        self.lock = arena.lock
+        self.pages_held = 0  # of the arena's pages, by this pool's sessions
+        self.on_free = arena.on_free
+
+    @staticmethod
+    def slot_nbytes(spec: LinearAttentionSpec, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's slot: its convolution inputs, then its recurrent state (each with its
+        snapshots)."""
+        copies = 1 + spec.snapshots
+        conv = copies * spec.conv_dim * spec.conv_kernel * dtype.itemsize
+        if spec.recurrent_shape is None:
+            return conv
+        return (
+            aligned(conv)
+            + copies * torch.Size(spec.recurrent_shape).numel() * spec.state_dtype(dtype).itemsize
+        )
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def free_tokens(self) -> int:
-        return self.free_pages * self.page_tokens
+        return self.arena.free_pages
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one sequence's slot (its state and snapshots)."""
-        return self.spec.bytes_per_sequence(self.conv.dtype)
+        """Bytes one sequence's slot takes of the arena (its state and snapshots, in a page)."""
+        return self.arena.page_nbytes
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + (0 if self.recurrent is None else self.recurrent.nbytes)
-
-    @property
-    def unit(self) -> str:
-        return "sequence states"
+        """Bytes of the arena the pool's slots come from."""
+        return self.arena.nbytes
 
     def pages_for(self, tokens: int) -> int:
         """A sequence takes one slot, whatever its length."""
@@ -112,22 +130,14 @@ class StatePool:
 
     def take(self, count: int) -> list[int]:
         with self.lock:
-            if count > len(self._free):
-                raise OutOfPagesError(
-                    f"the server's linear-attention states are all taken: {count} more sequences need one, "
-                    f"{len(self._free)} are free; try again later or another server"
-                )
-            slots = self._free[len(self._free) - count :]
-            del self._free[len(self._free) - count :]
-            return slots[::-1]
+            pages = self.arena.take(count, self.home, "sequence states")
+            self.pages_held += count
+        return pages
 
     def give_back(self, slots: Sequence[int]) -> None:
-        if not slots:
-            return
         with self.lock:
-            self._free.extend(reversed(slots))
-        for callback in self.on_free:
-            callback()
+            self.pages_held -= len(slots)
+        self.arena.give_back(slots)
 
 
 class LinearAttentionState:
@@ -164,9 +174,23 @@ class LinearAttentionState:
         page_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        arena: PageArena | None = None,
+        home: int = 0,
     ) -> StatePool:
-        """A block's pool for a budget of ``tokens`` tokens: one sequence per ``TOKENS_PER_SEQUENCE``."""
+        """A block's pool: on a server's ``arena`` (a slot per page), or of its own for a budget of
+        ``tokens`` tokens (one sequence per ``TOKENS_PER_SEQUENCE``)."""
+        if arena is not None:
+            return StatePool(spec, dtype=dtype, arena=arena, home=home)
         return StatePool(spec, spec.sequences(tokens), TOKENS_PER_SEQUENCE, dtype, device)
+
+    @staticmethod
+    def page_demand(
+        spec: LinearAttentionSpec, dtype: torch.dtype, page_tokens: int
+    ) -> tuple[tuple[int, int], ...]:
+        """``(bytes, row bytes)`` of a page holding one sequence's state, a row of its own."""
+        slot = StatePool.slot_nbytes(spec, dtype)
+        return ((slot, slot),)
 
     @classmethod
     def paged(
@@ -399,8 +423,8 @@ class StateCache(RowsCache):
 
 class HybridPool:
     """One hybrid block's memory: a ``PagePool`` of keys and values and a ``StatePool`` of sequence
-    states (``parts``), each sized from the server's per-block budget as its kind is alone; the
-    server's budget admits a session when each part has what it needs."""
+    states (``parts``), on the server's arena or each on its own; the server's budget admits a session
+    when the pages both parts need are free."""
 
     def __init__(self, spec: HybridSpec, attention: PagePool, state: StatePool) -> None:
         self.spec, self.attention, self.state = spec, attention, state
@@ -408,11 +432,8 @@ class HybridPool:
 
     @property
     def nbytes(self) -> int:
-        return self.attention.nbytes + self.state.nbytes
-
-    @property
-    def free_tokens(self) -> int:
-        return min(self.attention.free_tokens, self.state.free_tokens)
+        arenas = {id(part.arena): part.arena for part in self.parts}
+        return sum(arena.nbytes for arena in arenas.values())
 
 
 class HybridCache:
@@ -453,12 +474,31 @@ class HybridCache:
 
     @classmethod
     def make_pool(
-        cls, spec: HybridSpec, tokens: int, page_tokens: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        spec: HybridSpec,
+        tokens: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        arena: PageArena | None = None,
+        home: int = 0,
     ) -> HybridPool:
-        """A block's pools for a budget of ``tokens`` tokens: pages of keys and values, and sequence states."""
-        attention = _attention_manager(spec).make_pool(spec.attention, tokens, page_tokens, dtype, device)
-        state = LinearAttentionState.make_pool(spec.state, tokens, page_tokens, dtype, device)
+        """A block's pools, pages of keys and values and sequence states: both on a server's ``arena``,
+        or each of its own for a budget of ``tokens`` tokens."""
+        where = {"arena": arena, "home": home}
+        attention = _attention_manager(spec).make_pool(
+            spec.attention, tokens, page_tokens, dtype, device, **where
+        )
+        state = LinearAttentionState.make_pool(spec.state, tokens, page_tokens, dtype, device, **where)
         return HybridPool(spec, attention, state)
+
+    @staticmethod
+    def page_demand(spec: HybridSpec, dtype: torch.dtype, page_tokens: int) -> tuple[tuple[int, int], ...]:
+        return (
+            *_attention_manager(spec).page_demand(spec.attention, dtype, page_tokens),
+            *LinearAttentionState.page_demand(spec.state, dtype, page_tokens),
+        )
 
     @classmethod
     def paged(cls, pool: HybridPool, batch_size: int, max_length: int, layer_index: int = 0) -> HybridCache:

@@ -23,7 +23,16 @@ from transformers import PretrainedConfig
 
 from petals.block import cache_spec, shared_kv_kwargs
 from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
-from petals.kv_cache import CacheSpec, PagedCache, PagePool, SessionCache, StatePool, manager_for, open_cache
+from petals.kv_cache import (
+    CacheSpec,
+    PageArena,
+    PagedCache,
+    PagePool,
+    SessionCache,
+    StatePool,
+    manager_for,
+    open_cache,
+)
 
 
 @dataclass(frozen=True)
@@ -163,12 +172,35 @@ class BlockBackend:
         ]
         return ShardedCache(caches) if self.sharded else caches[0]
 
-    def make_pools(self, tokens: int, page_tokens: int) -> list[PagePool | StatePool]:
-        """The pools this block's sessions share (one per tensor-parallel shard), each of its kind's making
-        for a budget of ``tokens`` tokens: pages of ``page_tokens`` tokens, or sequence states."""
+    def make_pools(
+        self,
+        tokens: int,
+        page_tokens: int,
+        arenas: dict[torch.device, PageArena] | None = None,
+        home: int = 0,
+    ) -> list[PagePool | StatePool]:
+        """The pools this block's sessions share (one per tensor-parallel shard), each of its kind's making:
+        on the server's arena of the shard's device (``arenas``; pages looked for from ``home`` on), or of
+        their own for a budget of ``tokens`` tokens in pages of ``page_tokens`` tokens (measurements)."""
         return [
-            manager_for(spec).make_pool(spec, tokens, page_tokens, self.dtype, device)
+            manager_for(spec).make_pool(
+                spec,
+                tokens,
+                page_tokens,
+                self.dtype,
+                device,
+                **({} if arenas is None else {"arena": arenas[torch.device(device)], "home": home}),
+            )  # fmt: skip
             for spec, device in zip(self.shard_specs, self.devices, strict=True)
+        ]
+
+    def page_demands(self, page_tokens: int) -> list[tuple[torch.device, tuple[int, int]]]:
+        """``(device, (bytes, row bytes))`` of each page this block's pools need, to hold ``page_tokens``
+        tokens or a sequence's state (what the server's arenas' page sizes are made from)."""
+        return [
+            (torch.device(device), demand)
+            for spec, device in zip(self.shard_specs, self.devices, strict=True)
+            for demand in manager_for(spec).page_demand(spec, self.dtype, page_tokens)
         ]
 
     def open_cache(self, pools: list[PagePool | StatePool], batch_size: int, max_length: int) -> SessionCache:

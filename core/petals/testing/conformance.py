@@ -48,11 +48,12 @@ from petals.kv_cache import (
     PAGE_TOKENS,
     CacheSpec,
     HybridSpec,
+    PageArena,
     SlidingWindowSpec,
     manager_for,
     open_cache,
-    pool_parts,
 )
+from petals.kv_cache.arena import page_nbytes_for
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -368,8 +369,19 @@ def _check_merged_sessions(
             caches = _open_caches(specs, batch_size, max_length)
             solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
 
-        # small pages (steps cross page edges), room for every session's sequences of every kind
-        pools = [manager_for(spec).make_pool(spec, 2048, 3, torch.float32, "cpu") for spec in specs]
+        # the blocks' pools on one arena of equal-byte pages, as a server keeps them: small pages (3 tokens
+        # of the widest keys and values: steps cross page edges, unless a state's page is larger), room
+        # for every session's sequences of every kind
+        demands = [
+            demand for spec in specs for demand in manager_for(spec).page_demand(spec, torch.float32, 3)
+        ]
+        arena = PageArena(700 * len(specs), page_nbytes_for(demands))
+        pools = [
+            manager_for(spec).make_pool(
+                spec, 0, 0, torch.float32, "cpu", arena=arena, home=index * arena.num_pages // len(specs)
+            )
+            for index, spec in enumerate(specs)
+        ]
         caches = [
             [
                 open_cache(
@@ -402,8 +414,7 @@ def _check_merged_sessions(
         for session_caches in caches:
             for cache in session_caches:
                 cache.release()
-        parts = [part for pool in pools for part in pool_parts(pool)]
-        assert all(pool.free_pages == pool.num_pages for pool in parts), "released caches kept pages"
+        assert arena.free_pages == arena.num_pages, "released caches kept pages"
 
 
 def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
