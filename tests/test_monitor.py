@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -55,6 +56,11 @@ _SERVER_INFO = {
         "using_relay": {"type": ["boolean", "null"]},
         "cache_tokens_left": {"type": ["integer", "null"]},
         "next_pings": {"type": ["object", "null"], "additionalProperties": {"type": ["number", "null"]}},
+        "cache_bytes": {"type": ["integer", "null"], "minimum": 0},
+        "cache_bytes_held": {
+            "type": ["object", "null"],
+            "additionalProperties": {"type": "integer", "minimum": 0},
+        },
     },
 }
 _SERVER_ROW = {
@@ -76,6 +82,7 @@ _SERVER_ROW = {
             },
         },
         "cache_tokens_left_per_block": {"type": "integer", "minimum": 0},
+        "cache_memory": {"type": "string", "pattern": r"^\d+\.\d of \d+\.\d MiB"},
         "adapters": {
             "type": "array",
             "items": {
@@ -246,6 +253,7 @@ def test_health_prints_coverage_servers_and_verdict_per_model(swarm):
         "quant",
         "adapters",
         "cache/block",
+        "cache held",
         "version",
         "public name",
         "pings",
@@ -272,6 +280,9 @@ def test_health_json_for_one_model_is_the_original_state_document(swarm):
     assert row["span"]["server_info"]["public_name"] == "alice"
     assert row["span"]["server_info"]["state"] == "online"
     assert row["cache_tokens_left_per_block"] > 0
+    info = row["span"]["server_info"]  # the budget in bytes, and what sessions hold of it by kind: none
+    assert info["cache_bytes"] > 0 and info["cache_bytes_held"] == {"full_attention": 0}
+    assert row["cache_memory"] == f"0.0 of {info['cache_bytes'] / 2**20:.1f} MiB"
     assert second.peer_id in row["span"]["server_info"]["next_pings"]  # it pings the server of 2:4
     assert set(llama_rows[second.peer_id]["pings_to_me"]) == {first.peer_id}
     assert state["bootstrap_states"] == ["online"] and state["reachability_issues"] == []
@@ -317,6 +328,16 @@ def test_monitor_metrics_count_servers_and_blocks(swarm):
     assert metrics[("petals_swarm_healthy", (("model", BLOOM),))] == 0
     assert metrics[("petals_swarm_servers", (("model", LLAMA), ("state", "online")))] == 2
     assert metrics[("petals_swarm_block_servers_online_min", (("model", BLOOM),))] == 0
+    alice = swarm["servers"][0].peer_id
+    budget = metrics[
+        ("petals_swarm_server_kv_cache_bytes", (("model", LLAMA), ("peer_id", alice), ("use", "budget")))
+    ]
+    assert budget > 0
+    held = (
+        "petals_swarm_server_kv_cache_bytes",
+        (("model", LLAMA), ("peer_id", alice), ("use", "full_attention")),
+    )
+    assert held in metrics  # each kind the server hosts has a row, held or not
 
 
 def test_a_server_joining_and_leaving_shows_in_cli_json_and_metrics(swarm):
@@ -408,6 +429,7 @@ def test_the_page_shows_coverage_bars_and_server_rows(swarm, tmp_path):
             assert row.locator("td.state").inner_text() == "ONLINE"
             assert row.locator("td.blocks").inner_text() == "0:2"
             assert row.locator("td.public-name").inner_text() == "alice"
+            assert re.fullmatch(r"0\.0 of \d+\.\d MiB", row.locator("td.cache-held").inner_text())
             # a server that left in an earlier test may still be listed, OFFLINE, until its record expires
             online = 'tr.server:has(td.state:text-is("ONLINE"))'
             assert llama.locator(online).count() == 2 and bloom.locator(online).count() == 1
@@ -446,6 +468,8 @@ def test_server_metrics_count_requests_errors_tokens_and_sessions(swarm):
     after = get_metrics(swarm["metrics_url"])
     assert during[("petals_server_open_sessions", ())] == 1
     assert during[("petals_server_kv_cache_bytes", (("use", "used"),))] > 0
+    held = during[("petals_server_kv_cache_held_bytes", (("kind", "full_attention"),))]
+    assert held == during[("petals_server_kv_cache_bytes", (("use", "used"),))]  # llama: one kind
     assert after[("petals_server_requests_total", (("rpc", "rpc_inference"),))] >= 1
     assert after[("petals_server_request_errors_total", (("kind", "not_served"), ("rpc", "rpc_info")))] == 1
     assert after[("petals_server_inference_step_seconds_count", ())] >= 3

@@ -186,6 +186,20 @@ class SwarmCollector:
                 if row.cache_tokens_left_per_block is not None
             ],
         )
+        yield _gauge(
+            "petals_swarm_server_kv_cache_bytes",
+            "A server's KV-cache budget, and the bytes its sessions hold of it by cache kind",
+            ["model", "peer_id", "use"],
+            [
+                ([model, row.peer_id.to_base58(), use], nbytes)
+                for model, row in rows
+                if row.span.server_info.cache_bytes is not None
+                for use, nbytes in [
+                    ("budget", row.span.server_info.cache_bytes),
+                    *(row.span.server_info.cache_bytes_held or {}).items(),
+                ]
+            ],
+        )
 
 
 def _gauge(

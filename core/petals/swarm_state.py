@@ -60,6 +60,24 @@ class ServerRow:
         return None if tokens is None else tokens // (self.span.length * 2)
 
     @property
+    def cache_memory(self) -> str | None:
+        """The server's KV cache in MiB: what sessions hold of its budget, and by which cache kinds."""
+        info = self.span.server_info
+        if info.cache_bytes is None:
+            return None
+        held = {kind: nbytes for kind, nbytes in (info.cache_bytes_held or {}).items() if nbytes}
+        text = f"{sum(held.values()) / 2**20:.1f} of {info.cache_bytes / 2**20:.1f} MiB"
+        if held:
+            text += (
+                " ("
+                + ", ".join(
+                    f"{kind.replace('_', ' ')} {nbytes / 2**20:.1f}" for kind, nbytes in sorted(held.items())
+                )
+                + ")"
+            )
+        return text
+
+    @property
     def shows_public_name(self) -> bool:
         return self.state == "online" and self.span.length >= MIN_BLOCKS_FOR_PUBLIC_NAME
 
@@ -162,6 +180,8 @@ class SwarmState:
         }
         if row.cache_tokens_left_per_block is not None:
             document["cache_tokens_left_per_block"] = row.cache_tokens_left_per_block
+        if row.cache_memory is not None:
+            document["cache_memory"] = row.cache_memory
         return document
 
 

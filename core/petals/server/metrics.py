@@ -143,6 +143,14 @@ class _LiveStateCollector:
         cache.add_metric(["used"], engine.budget.bytes_used)
         cache.add_metric(["free"], engine.budget.bytes_left)
         yield cache
+        held = GaugeMetricFamily(
+            "petals_server_kv_cache_held_bytes",
+            "KV-cache bytes sessions hold, by cache kind",
+            labels=["kind"],
+        )
+        for kind, nbytes in engine.budget.bytes_by_kind().items():
+            held.add_metric([kind], nbytes)
+        yield held
         yield CounterMetricFamily(
             "petals_server_tokens_computed", "Tokens run through blocks", value=engine.tokens_processed
         )

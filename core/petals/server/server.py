@@ -193,6 +193,8 @@ class Server:
             quant_type=self.settings.quant_type,
             using_relay=self.using_relay,
             cache_tokens_left=budget.tokens_left if budget is not None else None,
+            cache_bytes=budget.nbytes if budget is not None else None,
+            cache_bytes_held=budget.bytes_by_kind() if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
             dequantized_from=self.stored_as,
@@ -260,14 +262,14 @@ class ServingSpan:
         await self._announce(ServerState.ONLINE)
         self.server.online.set()
         logger.info(
-            "%s: blocks %d:%d, %s on %s, KV cache for %d tokens per block (%.1f MiB)",
+            "%s: blocks %d:%d, %s on %s, KV cache of %.1f MiB (%d tokens per block, shared by every block)",
             READY_MESSAGE,
             self.blocks.start,
             self.blocks.stop,
             str(self.settings.dtype).removeprefix("torch."),
             ", ".join(map(str, self.settings.tensor_parallel_devices or [self.settings.device])),
-            self.settings.attn_cache_tokens,
             self.budget.nbytes / 2**20,
+            self.settings.attn_cache_tokens,
         )
 
     def _log_shared_groups(self) -> None:
