@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import FalconH1Config, Gemma4TextConfig, Qwen3_5TextConfig
+from transformers import FalconH1Config, Gemma3TextConfig, Gemma4TextConfig, Qwen3_5TextConfig
 
 from conftest import TINY_CONFIGS
 from petals.block import allocate_cache, cache_spec, make_block
@@ -147,4 +147,22 @@ def test_a_block_reusing_keys_and_values_of_another_is_refused_in_one_line_namin
     assert str(error.value) == (
         "model type 'gemma4_text': a shared sliding attention (8) cache cannot be split over devices yet; "
         "serve it without --tensor_parallel_devices"
+    )
+
+
+def test_a_kind_whose_family_has_no_sharding_plan_is_refused_in_one_line_naming_its_kind():
+    """Gemma 3's sliding layers split their heads like any attention, but its plugin gives no plan."""
+    pytest.importorskip("tensor_parallel")
+    tiny = Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    config = get_plugin_manager().family(tiny.model_type).config_class.from_dict(tiny.to_dict())
+    with torch.device("meta"):
+        block = make_block(config, 0)
+    with pytest.raises(NotImplementedError) as error:
+        make_tensor_parallel(block, config, DEVICES)
+    assert str(error.value) == (
+        "model type 'gemma3_text' (sliding attention (8) cache): its plugin gives no tensor-parallel plan "
+        "(hook tensor_parallel_config); serve it without --tensor_parallel_devices"
     )

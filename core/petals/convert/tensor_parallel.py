@@ -96,8 +96,8 @@ class TensorParallelBlock(nn.Module):
         )
         if plan is None:
             raise NotImplementedError(
-                f"model type {config.model_type!r}: its plugin gives no tensor-parallel plan "
-                "(hook tensor_parallel_config); serve it without --tensor_parallel_devices"
+                f"model type {config.model_type!r} ({spec.describe()} cache): its plugin gives no tensor-parallel "
+                "plan (hook tensor_parallel_config); serve it without --tensor_parallel_devices"
             )
         # sharded=False: weights not split stay whole on every shard (no ZeRO-3 gathering outside the wrapper)
         self.module = tp.TensorParallel(block, self.devices, tensor_parallel_config=plan, sharded=False)
