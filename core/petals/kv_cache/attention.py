@@ -199,7 +199,7 @@ class AttentionCache:
         slots = self.slots(self.first_held, self.length)
         sources = slots[hypo_ids.to(slots.device)].flatten()
         for tensor in self.pool.tensors:
-            tensor[slots.flatten()] = tensor[sources]
+            tensor.index_copy_(0, slots.flatten(), tensor.index_select(0, sources))
 
     def release(self) -> None:
         """Give every page back to the pool; the cache takes no more (the session has ended)."""
@@ -339,7 +339,7 @@ class PagedLayer(CacheLayerMixin):
             [member.slots(member.length - back, member.length - back + new_tokens) for member in self.members]
         ).flatten()
         for tensor, state in zip(tensors, states, strict=True):
-            tensor[slots] = state.flatten(0, 1)
+            tensor.index_copy_(0, slots, state.flatten(0, 1).to(tensor.dtype))
 
     def read(self, tensors: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
         """The last ``width`` tokens of every row of each pool tensor, ``[rows, width, ...]`` (a row shorter
@@ -347,18 +347,21 @@ class PagedLayer(CacheLayerMixin):
         if len(self.members) == 1 and (start := self.members[0].contiguous_start()) is not None:
             end = start + self.members[0].length  # one sequence in consecutive pages: a view, no copy
             return [tensor[None, end - width : end] for tensor in tensors]
-        slots = torch.cat(
-            [
-                _left_padded(member.slots(max(member.length - width, 0), member.length), width)
-                for member in self.members
-            ]
-        )
-        padding = slots < 0
-        slots = slots.clamp(min=0)
-        return [
-            tensor[slots].masked_fill_(padding.view(*padding.shape, *[1] * (tensor.dim() - 1)), 0)
-            for tensor in tensors
-        ]
+        parts = [member.slots(max(member.length - width, 0), member.length) for member in self.members]
+        slots = torch.cat([_left_padded(part, width) for part in parts])
+        flat = slots.flatten().clamp(min=0)
+        gathered = []
+        for tensor in tensors:
+            # index_select, not tensor[slots]: the same rows, several times faster (measured: a merged decode step
+            # spent 40% of its time in aten::index)
+            rows = tensor.index_select(0, flat).view(*slots.shape, *tensor.shape[1:])
+            first = 0
+            for part in parts:  # zero each short row's left padding
+                if part.shape[1] < width:
+                    rows[first : first + part.shape[0], : width - part.shape[1]] = 0
+                first += part.shape[0]
+            gathered.append(rows)
+        return gathered
 
     def _read(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[rows, kv_heads, width, dim]`` of the last ``width`` columns of every row."""
