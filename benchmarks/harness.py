@@ -221,7 +221,10 @@ class Context:
         return self._paths[name]
 
     def num_blocks(self, name: str) -> int:
-        return json.loads((self.model_path(name) / "config.json").read_text())["num_hidden_layers"]
+        """Its layers, read as a server reads its config (the demo model's is inside its GGUF file)."""
+        from petals.auto import AutoDistributedConfig
+
+        return AutoDistributedConfig.from_pretrained(self.model_path(name)).num_hidden_layers
 
     def local_model(self, name: str) -> torch.nn.Module:
         """Plain transformers, fp32, in this process: the baseline."""
