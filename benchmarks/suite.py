@@ -2,6 +2,7 @@
 
 from benchmarks import (
     api_overhead,
+    cache_budget,
     cache_kinds,
     concurrent_sessions,
     deepseek_latent,
@@ -34,5 +35,6 @@ SUITE = {
     **speculative.BENCHMARKS,
     **swarm_scale.BENCHMARKS,  # no swarm: a simulation
     **cache_kinds.BENCHMARKS,  # no swarm: one block's cache in this process
+    **cache_budget.BENCHMARKS,  # no swarm: a server's cache budget in this process
     **deepseek_latent.BENCHMARKS,  # no swarm: one DeepSeek layer in three forms in this process
 }

@@ -26,9 +26,9 @@ def test_quick_suite_writes_a_result_with_a_ratio_per_benchmark_and_a_summary(tm
     records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     # the six measurements of the suite's issue, the transport floor (g), the wide-area latency (h),
     # petals api's overhead (i), a private swarm's cost (p), speculative decoding (s), prompt tuning (t), the
-    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k), DeepSeek's latent cache (l); (a)
-    # and (b) also at one torch thread everywhere
-    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "l", "p", "s", "t", "w"]
+    # simulated swarm of 1,000 servers (w), the cache's bytes per kind (k), DeepSeek's latent cache (l), the
+    # sessions a cache budget holds (m); (a) and (b) also at one torch thread everywhere
+    assert sorted(record["item"] for record in records) == [*"aabbcdefghi", "k", "l", "m", "p", "s", "t", "w"]
     for record in records:
         assert record["quick"] is True
         assert isinstance(record["ratio"], float) and record["ratio"] > 0
@@ -73,6 +73,27 @@ def test_cache_kinds_hold_what_each_kind_keeps_and_no_more_than_transformers(tmp
     assert ("linear attention (Qwen3-Next)" in result.stdout) != (
         "linear attention: not served by this build" in result.stdout
     )
+
+
+def test_cache_budget_holds_as_many_sessions_as_pools_per_block_and_more_past_a_window(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cache_budget", "--quick", "--results", str(tmp_path)],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((tmp_path / "cache_budget.json").read_text())
+    fits = {key: values["lengths"] for key, values in record["measurements"].items()}
+    # full attention everywhere: the same pages either way
+    assert all(data["arena"] == data["pools"] for data in fits["llama3"].values()), fits["llama3"]
+    # past Gemma 3's window its sliding blocks hold what a window holds; the rest is the full blocks'
+    assert fits["gemma3"]["8192"]["pools"] == 1 and fits["gemma3"]["8192"]["arena"] >= 3
+    assert fits["gemma3"]["32768"] == {"arena": 1, "pools": 0, "hf": 1}
+    assert all(data["arena"] >= data["pools"] for lengths in fits.values() for data in lengths.values())
+    assert record["met"], record["checks"]
+    assert re.search(r"^  Gemma 3 27B .* +8,192 +3 +1 +3 +3\.00 +1\.00$", result.stdout, re.M), result.stdout
 
 
 def test_deepseek_latent_prints_bytes_per_token_and_times_three_equal_forms(tmp_path):
