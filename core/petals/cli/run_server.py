@@ -190,7 +190,9 @@ def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
 @setting("--max_batch_size", type=click.IntRange(min=1), help="Max tokens (batch × length) per request.")
 @setting("--inference_max_length", type=click.IntRange(min=1), help="Max max_length of an inference session.")
 @setting(
-    "--attn_cache_tokens", type=click.IntRange(min=1), help="KV-cache budget in tokens per hosted block."
+    "--attn_cache_tokens",
+    type=click.IntRange(min=1),
+    help="KV-cache budget: the bytes this many tokens of each hosted block's kind take, shared by all blocks.",
 )
 @setting("--request_timeout", type=float, help="Seconds per forward/backward.")
 @setting("--session_timeout", type=float, help="Max seconds of one session.")
