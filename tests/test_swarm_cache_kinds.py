@@ -27,6 +27,7 @@ import math
 
 import pytest
 import torch
+from hivemind.p2p import P2PHandlerError
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -40,6 +41,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 import petals
 from conftest import LOOPBACK_CLIENT, KillServingServer, save_random_model
 from petals.block import cache_spec
+from petals.client.routing import MissingBlocksError
+from petals.data_structures import make_uids
 from petals.kv_cache import (
     REWIND_MARGIN,
     FullAttentionSpec,
@@ -49,6 +52,7 @@ from petals.kv_cache import (
     SlidingWindowSpec,
 )
 from petals.testing.swarm import running_swarm
+from petals.testing.wire_client import WireClient
 
 WINDOW = 8
 PROMPT = 8
@@ -219,3 +223,41 @@ def test_greedy_tokens_equal_transformers_through_a_killed_server(kind, tmp_path
     # tokens alone are coarse on a tiny random model: the logits show whether every cache is exact
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+
+
+@pytest.mark.slow
+def test_a_session_longer_than_each_blocks_share_runs_on_what_the_sliding_blocks_do_not_hold(tmp_path):
+    """One ``petals serve`` of the sliding-window model (sliding and full layers in turn) with a budget of
+    128 tokens of each block's kind: 32 pages of 16 tokens its 4 blocks share. A sliding block never holds
+    more than its window and rewind margin (6 pages), so a session of 160 tokens fits, whose full blocks
+    hold 10 pages each (a pool of 128 tokens per block refused it); one of 161 does not: the server
+    announces so (``cache_tokens_left``: 2 x 4 blocks x 160), and refuses one in one line."""
+    path = save_random_model(MODELS["sliding-window"], tmp_path / "sliding")
+    ids = torch.randint(3, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    longest = 160
+    kwargs = dict(max_new_tokens=longest - PROMPT, min_new_tokens=longest - PROMPT, do_sample=False)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(ids, **kwargs)
+    with running_swarm(path, "0:4", server_args=("--attn_cache_tokens", "128")) as (dht, (server,)):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=dht.initial_peers, request_timeout=20, **LOOPBACK_CLIENT
+        )
+        try:
+            with model.inference_session(max_length=longest) as session:
+                output = model.generate(ids, session=session, **kwargs)
+            assert torch.equal(output, expected)
+            with pytest.raises(MissingBlocksError, match="no server has KV cache left for a session of 161"):
+                with model.inference_session(max_length=longest + 1) as session:
+                    model.generate(ids, session=session, max_new_tokens=1)
+        finally:
+            model.close()
+        client = WireClient(dht.initial_peers)  # asked anyway, the server refuses it
+        try:
+            assert client.info(server.peer_id)["cache_tokens_available"] == 2 * 4 * longest
+            stream = client.inference(server.peer_id, make_uids("sliding", 0, 4), max_length=longest + 1)
+            with pytest.raises(
+                P2PHandlerError,
+                match=r"161 tokens: 1 × 34 pages of 4.0 KiB\) but the server.s whole budget is 128.0 KiB",
+            ):
+                stream.step(torch.randn(1, PROMPT, 64))
+        finally:
+            client.close()
