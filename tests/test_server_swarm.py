@@ -29,6 +29,8 @@ INFO_FIELDS = {
     "next_pings",
     "weight_bytes",
     "dequantized_from",
+    "cache_bytes",  # petals-core extensions: the cache budget in bytes, and what sessions hold by kind
+    "cache_bytes_held",
 }
 
 
@@ -92,6 +94,10 @@ def test_records_have_petals_types(swarm):
         assert (info["start_block"], info["end_block"]) == ((0, 2) if server is swarm.first else (2, 4))
         assert info["torch_dtype"] == "float32" and info["quant_type"] == "none"
         assert type(info["cache_tokens_left"]) is int and info["cache_tokens_left"] > 0
+        assert type(info["cache_bytes"]) is int and info["cache_bytes"] > 0
+        assert {kind: type(nbytes) for kind, nbytes in info["cache_bytes_held"].items()} == {
+            "full_attention": int
+        }
         ServerInfo.from_tuple(entry.value[server.peer_id].value)
     models = swarm.client.dht_get("_petals.models").value
     assert models[swarm.prefix].value == {"num_blocks": 4, "repository": None}

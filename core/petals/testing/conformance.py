@@ -369,19 +369,7 @@ def _check_merged_sessions(
             caches = _open_caches(specs, batch_size, max_length)
             solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
 
-        # the blocks' pools on one arena of equal-byte pages, as a server keeps them: small pages (3 tokens
-        # of the widest keys and values: steps cross page edges, unless a state's page is larger), room
-        # for every session's sequences of every kind
-        demands = [
-            demand for spec in specs for demand in manager_for(spec).page_demand(spec, torch.float32, 3)
-        ]
-        arena = PageArena(700 * len(specs), page_nbytes_for(demands))
-        pools = [
-            manager_for(spec).make_pool(
-                spec, 0, 0, torch.float32, "cpu", arena=arena, home=index * arena.num_pages // len(specs)
-            )
-            for index, spec in enumerate(specs)
-        ]
+        arena, pools = _pools_on_one_arena(specs)
         caches = [
             [
                 open_cache(
@@ -415,6 +403,21 @@ def _check_merged_sessions(
             for cache in session_caches:
                 cache.release()
         assert arena.free_pages == arena.num_pages, "released caches kept pages"
+
+
+def _pools_on_one_arena(specs: list[CacheSpec]) -> tuple[PageArena, list]:
+    """The blocks' pools on one arena of equal-byte pages, as a server keeps them: small pages (3 tokens of
+    the widest keys and values: steps cross page edges, unless a state's page is larger), room for every
+    session's sequences of every kind."""
+    demands = [demand for spec in specs for demand in manager_for(spec).page_demand(spec, torch.float32, 3)]
+    arena = PageArena(700 * len(specs), page_nbytes_for(demands))
+    pools = [
+        manager_for(spec).make_pool(
+            spec, 0, 0, torch.float32, "cpu", arena=arena, home=index * arena.num_pages // len(specs)
+        )
+        for index, spec in enumerate(specs)
+    ]
+    return arena, pools
 
 
 def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
