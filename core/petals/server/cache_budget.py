@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -115,25 +115,17 @@ class CacheBudget:
         free = tuple(arena.free_pages for arena in self.arenas.values())
         if self._longest is not None and self._longest[0] == free:
             return self._longest[1]
-        low, high = (
-            0,
-            max((part.num_pages * part.page_tokens for part in self._all_parts), default=0),
-        )  # the last length that fits, the first one known not to (or the cap)
-        if not self._fits(1):
-            high = 0
-        else:
-            low, high = 1, high + 1
-            while high - low > 1:
-                middle = (low + high) // 2
-                low, high = (middle, high) if self._fits(middle) else (low, middle)
+        # the last length that fits, and the first one known not to (past what the whole arena would hold)
+        low, high = 0, 1 + max((part.num_pages * part.page_tokens for part in self._all_parts), default=0)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._fits(middle) else (low, middle)
         self._longest = (free, low)
         return low
 
     def _fits(self, length: int) -> bool:
-        needed: dict[int, int] = defaultdict(int)
-        for part in self._all_parts:
-            needed[id(part.arena)] += part.max_pages(length)
-        return all(needed[id(arena)] <= arena.free_pages for arena in self.arenas.values())
+        needed = self._pages(self._all_parts, lambda part: part.max_pages(length))
+        return all(pages <= arena.free_pages for arena, pages in needed.items())
 
     @property
     def nbytes(self) -> int:
@@ -166,9 +158,8 @@ class CacheBudget:
     ) -> None:
         """Check that a session could ever fit, and wait up to ``timeout`` s for its first step's pages."""
         self._loop = asyncio.get_running_loop()
-        ever = self._pages(
-            backends, lambda pool: max(pool.max_pages(max_length), pool.pages_for(first_tokens))
-        )
+        parts = self._parts_of(backends)
+        ever = self._pages(parts, lambda part: max(part.max_pages(max_length), part.pages_for(first_tokens)))
         for arena, pages in ever.items():
             if pages * batch_size > arena.num_pages:
                 raise AllocationFailed(
@@ -177,7 +168,7 @@ class CacheBudget:
                     f"{_size(arena.page_nbytes)}) but the server's whole budget is {_size(arena.nbytes)}; "
                     "use a smaller max_length or batch"
                 )
-        first = self._pages(backends, lambda pool: pool.pages_for(first_tokens))
+        first = self._pages(parts, lambda part: part.pages_for(first_tokens))
         deadline = time.monotonic() + timeout
         while True:
             self._freed.clear()  # before looking: a page given back after this wakes the wait below
@@ -200,13 +191,16 @@ class CacheBudget:
             except TimeoutError:
                 pass
 
-    def _pages(self, backends: Sequence[BlockBackend], pages_of) -> dict[PageArena, int]:
-        """Pages one sequence needs of each arena, summed over ``backends``' pools (``pages_of(pool)``)."""
+    @staticmethod
+    def _pages(parts: Iterable[PagePool | StatePool], pages_of) -> dict[PageArena, int]:
+        """Pages one sequence needs of each arena, summed over ``parts`` (``pages_of(part)`` each)."""
         needed: dict[PageArena, int] = defaultdict(int)
-        for backend in backends:
-            for pool in self.parts[backend.uid]:
-                needed[pool.arena] += pages_of(pool)
+        for part in parts:
+            needed[part.arena] += pages_of(part)
         return needed
+
+    def _parts_of(self, backends: Sequence[BlockBackend]) -> list[PagePool | StatePool]:
+        return [part for backend in backends for part in self.parts[backend.uid]]
 
     def open_caches(
         self, backends: Sequence[BlockBackend], batch_size: int, max_length: int
