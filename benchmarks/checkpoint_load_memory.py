@@ -28,8 +28,9 @@ MEASURE = """
 import sys, torch
 from petals.auto import AutoDistributedConfig
 from petals.loading import Checkpoint, load_block
+from petals.loading import open_checkpoint
 path, dtype = sys.argv[1], getattr(torch, sys.argv[2])
-config, checkpoint = AutoDistributedConfig.from_pretrained(path), Checkpoint.open(path)
+config, checkpoint = AutoDistributedConfig.from_pretrained(path), open_checkpoint(path)
 load_block(path, 0, dtype, config=config, checkpoint=checkpoint)  # imports and first-call costs
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))

@@ -30,7 +30,7 @@ if mode == "petals":
     from petals.auto import AutoDistributedConfig
     from petals.loading import Checkpoint, load_block
     config = AutoDistributedConfig.from_pretrained(path)
-    checkpoint = Checkpoint.open(path)
+    checkpoint = open_checkpoint(path)
     before = status("VmRSS:"); reset_peak()
     blocks = [load_block(path, i, torch.float32, config=config, checkpoint=checkpoint) for i in range(start, end)]
     dense = sum(t.numel() * t.element_size() for b in blocks for t in b.state_dict().values())

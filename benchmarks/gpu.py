@@ -81,7 +81,7 @@ from benchmarks.harness import (
 )
 from benchmarks.server_memory import block_weight_bytes
 from benchmarks.tiny_families import CONFIGS, tiny_config
-from petals.gguf_checkpoint import local_model as plain_model
+from petals.formats.gguf import local_model as plain_model
 
 MIB = 2**20
 MODEL = "llama-1b"

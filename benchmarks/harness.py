@@ -32,7 +32,7 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 
 RESULTS_DIR = Path(__file__).parent / "results"
 # beyond running_swarm's float32: a fixed throughput, so no server measures its own at start

@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria
 from benchmarks.trust import run_trust, trust_checks
 from petals.bounded_msgpack import MsgpackLimitError, check_msgpack
 from petals.data_structures import make_uids
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 from petals.testing.malformed import nested_metadata, nested_tuples
 from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm, start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.harness import SERVER_ARGS, Check, Context, Result, interleaved, main, summary
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 
 DELAY_MS = 20.0
 SERVERS = 3

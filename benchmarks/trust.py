@@ -25,7 +25,7 @@ from hivemind.p2p import PeerID
 
 from petals.data_structures import ServerInfo, ServerState, make_uids
 from petals.dht import expiration_from_now
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 from petals.testing.delay_proxy import DelayProxy, free_local_port
 from petals.testing.inprocess import InProcessDht, InProcessServer
 from petals.testing.liar import make_liar

@@ -592,7 +592,7 @@ def reference_answer(model: Path, inputs: dict[str, torch.Tensor]) -> torch.Tens
     file (as the demo prepares it) or a Hugging Face checkpoint."""
     import torch
 
-    from petals.gguf_checkpoint import local_model
+    from petals.formats.gguf import local_model
 
     local = local_model(model, dtype=torch.float32)
     with torch.inference_mode():

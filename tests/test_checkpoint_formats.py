@@ -23,10 +23,12 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, FineGrainedFP8C
 import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
-from petals.checkpoint_formats import CheckpointFormatError, dequantize_fp8
+from petals.checkpoint import Checkpoint
 from petals.cli import main
 from petals.convert import convert_block
-from petals.loading import Checkpoint, load_block
+from petals.formats import CheckpointFormatError, PackedWeight
+from petals.formats.fp8 import FP8
+from petals.loading import load_block, open_checkpoint
 from petals.testing.swarm import running_swarm
 
 # as tests/test_convert_quantization.py measures them, on the block's update y - x
@@ -53,6 +55,14 @@ DEEPSEEK_V3 = DeepseekV3Config(
     qk_rope_head_dim=8,
     v_head_dim=12,
 )
+
+
+def dequantize_fp8(tensors: dict, quantization_config: dict, dtype: torch.dtype) -> dict:
+    """The fp8 format's own reading, each packed weight dequantized."""
+    return {
+        name: value.dequantize() if isinstance(value, PackedWeight) else value
+        for name, value in FP8.pack(tensors, quantization_config, dtype).items()
+    }
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,18 +187,20 @@ def reference_layer(reference: Path, index: int) -> torch.nn.Module:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_served_block_equals_the_dequantized_reference(fp8_checkpoint, layout):
     fp8, reference = fp8_checkpoint(layout)
-    block = load_block(fp8, 2, torch.float32)
+    dequantized = load_block(fp8, 2, torch.float32, weights="dequantized")
+    packed = load_block(fp8, 2, torch.float32)
 
     expected = reference_layer(reference, 2).state_dict()
-    assert block.state_dict().keys() == expected.keys()
-    assert all(torch.equal(block.state_dict()[name], tensor) for name, tensor in expected.items())
+    assert dequantized.state_dict().keys() == expected.keys()
+    assert all(torch.equal(dequantized.state_dict()[name], tensor) for name, tensor in expected.items())
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
-    diff = (block(hidden) - load_block(reference, 2, torch.float32)(hidden)).abs().max().item()
-    assert diff <= 1e-5
+    reference_output = load_block(reference, 2, torch.float32)(hidden)
+    assert (dequantized(hidden) - reference_output).abs().max().item() <= 1e-5
+    assert (packed(hidden) - dequantized(hidden)).abs().max().item() <= 1e-6
 
 
 def test_weights_take_the_serving_dtype(fp8_checkpoint):
-    block = load_block(fp8_checkpoint("deepseek-v3-blockwise")[0], 1, torch.bfloat16)
+    block = load_block(fp8_checkpoint("deepseek-v3-blockwise")[0], 1, torch.bfloat16, weights="dequantized")
     dtypes = {name: tensor.dtype for name, tensor in block.state_dict().items() if tensor.is_floating_point()}
     # the router stays in float32, as transformers keeps it (_keep_in_fp32_modules_strict)
     kept = {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"}
@@ -201,10 +213,12 @@ def test_a_server_of_blocks_reads_only_their_tensors_and_scales(fp8_checkpoint, 
     read: list[str] = []
     real_read = Checkpoint.read
     monkeypatch.setattr(
-        Checkpoint, "read", lambda self, keys, *rest: read.extend(keys) or real_read(self, keys, *rest)
+        Checkpoint,
+        "read",
+        lambda self, keys, *rest, **kw: read.extend(keys) or real_read(self, keys, *rest, **kw),
     )
     config = AutoDistributedConfig.from_pretrained(fp8)
-    checkpoint = Checkpoint.open(fp8)
+    checkpoint = open_checkpoint(fp8)
 
     for index in (1, 2):  # what a server of blocks 1:3 loads
         load_block(fp8, index, torch.float32, config=config, checkpoint=checkpoint)
@@ -241,7 +255,7 @@ def unknown_method_checkpoint(fp8_checkpoint, tmp_path) -> Path:
     for file in fp8.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     config_json = json.loads((fp8 / "config.json").read_text())
-    config_json["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    config_json["quantization_config"] = {"quant_method": "hqq"}
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     return tmp_path
 
@@ -249,7 +263,7 @@ def unknown_method_checkpoint(fp8_checkpoint, tmp_path) -> Path:
 def test_unknown_quantization_method_is_refused_by_name(unknown_method_checkpoint):
     with pytest.raises(
         CheckpointFormatError,
-        match="quant_method 'compressed-tensors', which petals cannot read yet .*reads: awq, fp8, gptq, mxfp4",
+        match="quant_method 'hqq', which petals cannot read yet .*reads: awq, compressed-tensors, fp8, gptq, mxfp4",
     ):
         load_block(unknown_method_checkpoint, 0)
 
@@ -260,7 +274,7 @@ def test_a_server_refuses_an_unknown_quantization_method_in_one_line_before_it_a
     result = CliRunner().invoke(main, ["serve", str(unknown_method_checkpoint), "--new_swarm"])
     assert result.exit_code == 1
     assert (
-        "quant_method 'compressed-tensors', which petals cannot read yet (it reads: awq, fp8, gptq, mxfp4)"
+        "quant_method 'hqq', which petals cannot read yet (it reads: awq, compressed-tensors, fp8, gptq, mxfp4)"
         in result.output
     )
     assert "Traceback" not in result.output
@@ -294,7 +308,7 @@ def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized
 
     with running_swarm(fp8, "0:2", "2:4") as (dht, servers):
         for server in servers:
-            assert "fp8 checkpoint dequantized to float32 on cpu" in server.log
+            assert "served packed on cpu: weights stay in their stored bytes" in server.log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             fp8, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
@@ -335,16 +349,20 @@ def test_each_weight_is_rounded_once_to_the_serving_dtype(block_size):
     assert dequantized.dtype == torch.bfloat16 and torch.equal(dequantized, expected)
 
 
-def test_autofp8_weight_scale_and_input_scale_are_refused_by_name():
-    tensors = {
-        "q_proj.weight": torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
-        "q_proj.weight_scale": torch.ones(()),
-        "q_proj.input_scale": torch.ones(()),
-    }
-    with pytest.raises(
-        CheckpointFormatError, match="q_proj.weight .*AutoFP8's layout, which petals does not read"
-    ):
-        dequantize_fp8(tensors, {"quant_method": "fp8", "activation_scheme": "static"}, torch.float32)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_autofp8_weight_scale_is_read_and_input_scale_dropped(per_channel):
+    """AutoFP8's layout (transformers 5.24 drops these scales and reads the weights unscaled)."""
+    weight = torch.randn(16, 32)
+    scale = (
+        weight.abs().amax(dim=1, keepdim=True) / E4M3_MAX if per_channel else weight.abs().max() / E4M3_MAX
+    )
+    codes = (weight / scale).to(torch.float8_e4m3fn)
+    tensors = {"q_proj.weight": codes, "q_proj.weight_scale": scale, "q_proj.input_scale": torch.ones(())}
+    dequantized = dequantize_fp8(
+        tensors, {"quant_method": "fp8", "activation_scheme": "static"}, torch.float32
+    )
+    assert dequantized.keys() == {"q_proj.weight"}
+    assert torch.equal(dequantized["q_proj.weight"], codes.to(torch.float32) * scale)
 
 
 @pytest.mark.parametrize(
@@ -356,5 +374,5 @@ def test_other_layouts_under_fp8_are_refused_not_misread(weight_dtype, scale_dty
         "w1.weight": torch.zeros(16, 16, dtype=weight_dtype),
         "w1.weight_scale_inv": torch.ones(1, 1, dtype=scale_dtype),
     }
-    with pytest.raises(CheckpointFormatError, match="is not the fp8 layout petals reads"):
+    with pytest.raises(CheckpointFormatError, match="is not an fp8 layout petals reads"):
         dequantize_fp8(tensors, {"weight_block_size": [16, 16]}, torch.float32)

@@ -29,9 +29,12 @@ from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 import petals
 from conftest import LOOPBACK_CLIENT, petals_health, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
-from petals.checkpoint_formats import CheckpointFormatError, dequantize_awq, dequantize_gptq, dequantized_note
+from petals.checkpoint import Checkpoint
 from petals.convert import convert_block
-from petals.loading import Checkpoint, load_block
+from petals.formats import CheckpointFormatError, PackedWeight, weights_note
+from petals.formats.int4 import AWQ, GPTQ
+from petals.formats.mxfp4 import MXFP4
+from petals.loading import load_block, open_checkpoint
 from petals.testing.swarm import running_swarm
 
 GPT_OSS = GptOssConfig(
@@ -51,6 +54,23 @@ FP4_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ packs output ORDER[j] of each eight at nibble j
+
+
+def dequantized_by(fmt):
+    """The format's own reading of a block's tensors, each packed weight dequantized (what
+    ``--weights dequantized`` serves)."""
+
+    def dequantize(tensors: dict, quantization_config: dict, dtype: torch.dtype) -> dict:
+        fmt.check(quantization_config)
+        return {
+            name: value.dequantize() if isinstance(value, PackedWeight) else value
+            for name, value in fmt.pack(tensors, quantization_config, dtype).items()
+        }
+
+    return dequantize
+
+
+dequantize_gptq, dequantize_awq, dequantize_mxfp4 = map(dequantized_by, (GPTQ, AWQ, MXFP4))
 
 
 def to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -228,7 +248,8 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_served_block_equals_the_dequantized_reference(checkpoint, layout):
     quantized, reference = checkpoint(layout)
-    block = load_block(quantized, 2, torch.float32)
+    block = load_block(quantized, 2, torch.float32, weights="dequantized")
+    packed = load_block(quantized, 2, torch.float32)
 
     expected = (
         AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).model.layers[2].state_dict()
@@ -238,6 +259,7 @@ def test_served_block_equals_the_dequantized_reference(checkpoint, layout):
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
     diff = (block(hidden) - load_block(reference, 2, torch.float32)(hidden)).abs().max().item()
     assert diff <= 1e-5
+    assert (packed(hidden) - block(hidden)).abs().max().item() <= 1e-6
 
 
 @pytest.mark.parametrize("layout", ["mxfp4-gpt-oss", "gptq-4bit-sym", "awq-gemm"])
@@ -246,10 +268,12 @@ def test_a_server_of_blocks_reads_only_their_tensors_and_their_companions(checkp
     read: list[str] = []
     real_read = Checkpoint.read
     monkeypatch.setattr(
-        Checkpoint, "read", lambda self, keys, *rest: read.extend(keys) or real_read(self, keys, *rest)
+        Checkpoint,
+        "read",
+        lambda self, keys, *rest, **kw: read.extend(keys) or real_read(self, keys, *rest, **kw),
     )
     config = AutoDistributedConfig.from_pretrained(quantized)
-    opened = Checkpoint.open(quantized)
+    opened = open_checkpoint(quantized)
 
     for index in (1, 2):  # what a server of blocks 1:3 loads
         load_block(quantized, index, torch.float32, config=config, checkpoint=opened)
@@ -265,7 +289,9 @@ def test_a_server_of_blocks_reads_only_their_tensors_and_their_companions(checkp
 
 
 def test_mxfp4_weights_take_the_serving_dtype(checkpoint):
-    block = load_block(checkpoint("mxfp4-gpt-oss")[0], 1)  # the release's own dtype: bfloat16
+    block = load_block(
+        checkpoint("mxfp4-gpt-oss")[0], 1, weights="dequantized"
+    )  # the release's dtype: bfloat16
     assert {tensor.dtype for tensor in block.state_dict().values() if tensor.is_floating_point()} == {
         torch.bfloat16
     }
@@ -331,8 +357,6 @@ def test_layouts_petals_does_not_read_are_refused_in_one_line(method, change, me
 
 
 def test_mxfp4_blocks_without_scales_are_refused():
-    from petals.checkpoint_formats import dequantize_mxfp4
-
     with pytest.raises(CheckpointFormatError, match="has no mlp.experts.down_proj_scales"):
         dequantize_mxfp4(
             {"mlp.experts.down_proj_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)}, {}, torch.float32
@@ -347,7 +371,7 @@ def test_transformers_reads_the_mxfp4_checkpoint_as_petals_does(checkpoint):
         quantized, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
     )
     for index in range(4):
-        served = load_block(quantized, index, torch.float32).state_dict()
+        served = load_block(quantized, index, torch.float32, weights="dequantized").state_dict()
         assert all(
             torch.equal(served[name], tensor)
             for name, tensor in model.model.layers[index].state_dict().items()
@@ -370,29 +394,31 @@ def test_greedy_tokens_through_two_servers_equal_transformers(checkpoint, layout
     with running_swarm(quantized, "0:2", "2:4") as (dht, servers):
         method = layout.split("-")[0]
         for server in servers:
-            assert f"{method} checkpoint dequantized to float32 on cpu" in server.log
+            assert "served packed on cpu: weights stay in their stored bytes" in server.log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(  # GPT-OSS's release says bfloat16
             quantized, initial_peers=dht.initial_peers, dtype=torch.float32, **LOOPBACK_CLIENT
         )
         output = model.generate(ids, **kwargs)
         model.close()
         health = petals_health(dht.initial_peers)
-    assert health.stdout.count(f"none ({method} dequantized)") == 2, health.stdout + health.stderr
+    assert health.stdout.count(f"none ({method}") == 2, health.stdout + health.stderr
+    assert health.stdout.count(" packed)") == 2, health.stdout + health.stderr
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
 
 
-def test_the_log_says_weights_stay_dequantized_on_an_accelerator():
-    assert dequantized_note("gptq", torch.float16, "cpu", "none") == (
-        "gptq checkpoint dequantized to float16 on cpu as its blocks load"
+def test_the_log_says_how_a_quantized_checkpoints_weights_are_held():
+    assert weights_note("gptq int4", "packed", torch.float16, "cpu", "none").startswith(
+        "gptq int4 checkpoint served packed on cpu: weights stay in their stored bytes, dequantized to float16 "
+        "per forward"
     )
-    assert dequantized_note("awq", torch.float16, "cuda:0", "none") == (
-        "awq checkpoint dequantized to float16 on cpu as its blocks load; "
-        "served dequantized on cuda:0 (no awq kernels are used)"
+    assert weights_note("awq int4", "dequantized", torch.float16, "cuda:0", "none") == (
+        "awq int4 checkpoint dequantized to float16 as its blocks load (--weights dequantized: more memory, "
+        "no per-forward dequantization)"
     )
-    assert dequantized_note("mxfp4", torch.bfloat16, "cuda:0", "nf4").endswith(
-        "(no mxfp4 kernels are used, --quant_type nf4 quantizes them again)"
+    assert weights_note("mxfp4", "dequantized", torch.bfloat16, "cuda:0", "nf4") == (
+        "mxfp4 checkpoint dequantized at load, then quantized again to nf4 (--quant_type)"
     )
 
 
@@ -401,13 +427,13 @@ def test_a_server_quantizes_a_gptq_checkpoint_again_with_quant_type(checkpoint):
     quantized, reference = checkpoint("gptq-4bit-sym")
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
     with running_swarm(quantized, "0:4", server_args=["--quant_type", "int8"]) as (dht, servers):
-        assert "gptq checkpoint dequantized to float32 on cpu" in servers[0].log
+        assert "gptq int4 checkpoint dequantized at load, then quantized again to int8" in servers[0].log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             quantized, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
         logits = model(ids).logits
         model.close()
         health = petals_health(dht.initial_peers)
-    assert "int8 (gptq dequantized)" in health.stdout, health.stdout + health.stderr
+    assert "int8 (gptq int4 dequantized)" in health.stdout, health.stdout + health.stderr
     expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)(ids).logits
     assert (logits - expected).norm() / expected.norm() < MAX_RELATIVE_ERROR["int8"]

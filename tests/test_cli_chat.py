@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from conftest import imported_modules
 from petals.cli.chat import PROMPT
 from petals.demo_model import prepare_demo_model
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 from petals.testing.swarm import inprocess_swarm
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm
 from petals.cli.generate import encode
 from petals.demo_model import prepare_demo_model
-from petals.gguf_checkpoint import local_model
+from petals.formats.gguf import local_model
 from petals.testing.swarm import SwarmProcess
 
 pytestmark = pytest.mark.slow

@@ -118,7 +118,7 @@ def test_gguf_parsed_once_changes_nothing_where_gguf_has_another_shape(tmp_path,
 
 def test_preparing_the_demo_model_writes_no_weights_only_a_link_and_the_tokenizer(tmp_path):
     from petals.demo_model import DEMO, demo_packages_missing, is_prepared, prepare_demo_model
-    from petals.gguf_checkpoint import gguf_file
+    from petals.formats.gguf import gguf_file
 
     if demo_packages_missing(DEMO):
         pytest.skip(demo_packages_missing(DEMO))

@@ -19,9 +19,9 @@ import petals
 from conftest import LOOPBACK_CLIENT, petals_health
 from petals.auto import AutoDistributedConfig
 from petals.block import make_block
-from petals.checkpoint_formats import dequantized_from, dequantized_note
-from petals.gguf_checkpoint import GGUFCheckpoint, gguf_file
-from petals.loading import Checkpoint, CheckpointError, load_block
+from petals.formats import stored_as, weights_note
+from petals.formats.gguf import GGUFCheckpoint, gguf_file
+from petals.loading import CheckpointError, load_block, open_checkpoint
 from petals.local_swarm import running_swarm
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install gguf")
@@ -87,13 +87,13 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
 
     add("token_embd.weight", state["model.embed_tokens.weight"], F16)
     for index in range(CONFIG.num_hidden_layers):
-        for short, (hf_name, stored_as) in LAYER_TENSORS.items():
+        for short, (hf_name, stored_type) in LAYER_TENSORS.items():
             weight = state[f"model.layers.{index}.{hf_name}.weight"]
             if short == "attn_q":
                 weight = permute_rows(weight, CONFIG.num_attention_heads)
             elif short == "attn_k":
                 weight = permute_rows(weight, CONFIG.num_key_value_heads)
-            add(f"blk.{index}.{short}.weight", weight, stored_as)
+            add(f"blk.{index}.{short}.weight", weight, stored_type)
     add("output_norm.weight", state["model.norm.weight"], None)
     add("output.weight", state["lm_head.weight"], Q8_0)
     writer.write_header_to_file()
@@ -124,7 +124,7 @@ def test_a_file_or_a_folder_holding_one_names_the_gguf(tiny_gguf, tmp_path):
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / name).write_bytes(tiny_gguf.read_bytes())
     with pytest.raises(CheckpointError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\): name the one to use"):
-        Checkpoint.open(tmp_path)
+        open_checkpoint(tmp_path)
 
 
 def test_served_block_equals_the_same_weights_dequantized_in_one_process(tiny_gguf):
@@ -133,11 +133,13 @@ def test_served_block_equals_the_same_weights_dequantized_in_one_process(tiny_gg
     reference = transformers_model(tiny_gguf)
     hidden = torch.randn(2, 5, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
     for index in range(CONFIG.num_hidden_layers):
-        block = load_block(tiny_gguf, index, torch.float32, config=config)
+        block = load_block(tiny_gguf, index, torch.float32, config=config, weights="dequantized")
+        packed = load_block(tiny_gguf, index, torch.float32, config=config)
         expected = make_block(config, index).eval()  # the same block, filled from transformers' model
         expected.load_state_dict(reference.model.layers[index].state_dict(), strict=True)
         assert block.state_dict().keys() == expected.state_dict().keys()
         assert (block(hidden) - expected(hidden)).abs().max().item() <= 1e-5
+        assert (packed(hidden) - block(hidden)).abs().max().item() <= 1e-6
 
 
 def test_the_unpermuted_weights_are_the_written_ones_within_q8_0_error(tiny_gguf):
@@ -145,7 +147,7 @@ def test_the_unpermuted_weights_are_the_written_ones_within_q8_0_error(tiny_gguf
     torch.manual_seed(0)
     written = LlamaForCausalLM(CONFIG).model.layers[1].self_attn.q_proj.weight
     block = load_block(tiny_gguf, 1, torch.float32)
-    error = (block.self_attn.q_proj.weight - written).abs().max() / written.abs().max()
+    error = (block.self_attn.q_proj.weight.dequantize() - written).abs().max() / written.abs().max()
     assert 0 < error < 0.01
 
 
@@ -155,11 +157,16 @@ def test_a_server_of_blocks_reads_only_their_tensors_in_the_serving_dtype(tiny_g
     monkeypatch.setattr(
         GGUFCheckpoint,
         "read",
-        lambda self, keys, dtype=None: read.extend(keys) or real_read(self, keys, dtype),
+        lambda self, keys, dtype=None, packed=False: (
+            read.extend(keys) or real_read(self, keys, dtype, packed)
+        ),
     )
     config = AutoDistributedConfig.from_pretrained(tiny_gguf)
-    checkpoint = Checkpoint.open(tiny_gguf)
-    blocks = [load_block(tiny_gguf, i, torch.bfloat16, config=config, checkpoint=checkpoint) for i in (1, 2)]
+    checkpoint = open_checkpoint(tiny_gguf)
+    blocks = [
+        load_block(tiny_gguf, i, torch.bfloat16, config=config, checkpoint=checkpoint, weights="dequantized")
+        for i in (1, 2)
+    ]
 
     assert {checkpoint.weight_map[name] for name in read} == {
         f"blk.{index}.{short}.weight" for index in (1, 2) for short in LAYER_TENSORS
@@ -168,13 +175,11 @@ def test_a_server_of_blocks_reads_only_their_tensors_in_the_serving_dtype(tiny_g
 
 
 def test_the_log_and_health_name_a_gguf_file_by_its_quant_types(tiny_gguf):
-    """A GGUF config has no quantization_config: the file itself says what was dequantized."""
+    """A GGUF config has no quantization_config: the file itself says what it stores."""
     config = AutoDistributedConfig.from_pretrained(tiny_gguf)
-    assert (
-        dequantized_from(tiny_gguf, config) == dequantized_from(tiny_gguf.parent, config) == "gguf Q8_0/F16"
-    )
-    assert dequantized_note("gguf Q8_0/F16", torch.float32, "cpu", None) == (
-        "gguf Q8_0/F16 checkpoint dequantized to float32 on cpu as its blocks load"
+    assert stored_as(tiny_gguf, config) == stored_as(tiny_gguf.parent, config) == "gguf Q8_0/F16"
+    assert weights_note("gguf Q8_0/F16", "dequantized", torch.float32, "cpu", None).startswith(
+        "gguf Q8_0/F16 checkpoint dequantized to float32 as its blocks load"
     )
 
 
@@ -186,14 +191,14 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
 
     with running_swarm(tiny_gguf, "0:2", "2:4") as (dht, servers):  # the file itself, as a user names it
         for server in servers:
-            assert "gguf Q8_0/F16 checkpoint dequantized to float32 on cpu" in server.log
+            assert "gguf Q8_0/F16 checkpoint served packed on cpu" in server.log
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             tiny_gguf, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )
         output = model.generate(ids, **kwargs)
         model.close()
         health = petals_health(dht.initial_peers)
-    assert health.stdout.count("none (gguf Q8_0/F16 dequantized)") == 2, health.stdout + health.stderr
+    assert health.stdout.count("none (gguf Q8_0/F16 packed)") == 2, health.stdout + health.stderr
     assert "huggingface.co" not in health.stdout and tiny_gguf.name not in health.stdout, health.stdout
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))

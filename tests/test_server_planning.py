@@ -146,6 +146,7 @@ def test_nothing_fits_is_a_clear_error(llama_config):
 TINY_LLAMA_MATRIX_WEIGHTS = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64
 TINY_LLAMA_VECTOR_WEIGHTS = 2 * 64
 TINY_LLAMA_MATRIX_ROWS = 64 + 32 + 32 + 64 + 128 + 128 + 64
+TINY_LLAMA_MATRICES = 7
 TINY_LLAMA_KV_BYTES_PER_TOKEN_FP32 = 2 * 2 * 16 * 4  # keys and values, 2 heads of 16 floats
 AUTOGRAD_RESERVE = int(2 * GiB / 14336 * 64)  # Petals' 2 GiB per device, scaled by hidden size
 
@@ -154,10 +155,23 @@ AUTOGRAD_RESERVE = int(2 * GiB / 14336 * 64)  # Petals' 2 GiB per device, scaled
     ("quant_type", "weight_bytes"),
     [
         ("none", 4 * (TINY_LLAMA_MATRIX_WEIGHTS + TINY_LLAMA_VECTOR_WEIGHTS)),
-        # int8: one byte per weight plus an fp32 scale per row; vectors stay fp32
-        ("int8", TINY_LLAMA_MATRIX_WEIGHTS + 4 * TINY_LLAMA_MATRIX_ROWS + 4 * TINY_LLAMA_VECTOR_WEIGHTS),
-        # nf4: 4 bits per weight plus one int8 absmax per 64 weights (+ nested statistics): 4.25 bits
-        ("nf4", int(TINY_LLAMA_MATRIX_WEIGHTS * 4.25 / 8 + 4 * TINY_LLAMA_VECTOR_WEIGHTS)),
+        # int8: one byte per weight plus an fp32 scale per row (and a byte of format) per matrix; vectors fp32
+        (
+            "int8",
+            TINY_LLAMA_MATRIX_WEIGHTS
+            + 4 * TINY_LLAMA_MATRIX_ROWS
+            + TINY_LLAMA_MATRICES
+            + 4 * TINY_LLAMA_VECTOR_WEIGHTS,
+        ),
+        # nf4: 4 bits per weight plus a uint8 absmax per 64 weights; per matrix one nested float32 absmax
+        # (of up to 256 absmaxes), the 16- and 256-entry float32 code tables and bitsandbytes' 170-byte JSON
+        (
+            "nf4",
+            TINY_LLAMA_MATRIX_WEIGHTS // 2
+            + TINY_LLAMA_MATRIX_WEIGHTS // 64
+            + TINY_LLAMA_MATRICES * (4 + 4 * (16 + 256) + 170)
+            + 4 * TINY_LLAMA_VECTOR_WEIGHTS,
+        ),
     ],
 )
 def test_plan_matches_the_bytes_counted_by_hand(llama_config, quant_type, weight_bytes):

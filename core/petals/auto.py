@@ -13,7 +13,7 @@ from petals.plugins import get_plugin_manager
 def read_config_dict(model_name_or_path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
     """A checkpoint's ``config.json`` (local directory or HF cache/hub), or a GGUF file's metadata as
     transformers reads it."""
-    from petals.gguf_checkpoint import gguf_config_dict, gguf_file
+    from petals.formats.gguf import gguf_config_dict, gguf_file
 
     gguf = gguf_file(model_name_or_path)
     if gguf is not None:

@@ -113,7 +113,7 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
-        from petals.gguf_checkpoint import gguf_config_dict, gguf_file
+        from petals.formats.gguf import gguf_config_dict, gguf_file
 
         gguf = gguf_file(model_name_or_path)
         if gguf is not None:  # the file's metadata is its config, as transformers reads it (once a process)

@@ -79,6 +79,7 @@ _INFO_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     ),
     "weight_bytes": ((int,), lambda v: v >= 0),
     "dequantized_from": ((str,), None),
+    "packed_as": ((str,), None),
     "cache_bytes": ((int,), lambda v: v >= 0),
     "cache_bytes_held": (
         (dict,),
@@ -109,6 +110,8 @@ class ServerInfo:
     weight_bytes: int | None = None  # petals-core extension: the hosted blocks' weights, after conversion
     # petals-core extension: the checkpoint's quant_method when its weights were dequantized at load
     dequantized_from: str | None = None
+    # petals-core extension: the checkpoint's stored format when its weights are served in it, packed
+    packed_as: str | None = None
     # petals-core extensions: the KV-cache budget in bytes, and what sessions hold of it by cache kind
     cache_bytes: int | None = None
     cache_bytes_held: dict[str, int] | None = None

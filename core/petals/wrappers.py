@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from petals.loading import Checkpoint, CheckpointError
+from petals.checkpoint import Checkpoint, CheckpointError
 from petals.plugins import PluginManager, UnknownModelTypeError, get_plugin_manager
 
 # set on the wrapper, they decide for its text model: the wrapper model ties its own head, and a
@@ -73,8 +73,10 @@ class TextCheckpoint(Checkpoint):
     stored: Checkpoint | None = None
     stored_names: dict[str, str] = field(default_factory=dict)  # text model's name -> stored name
 
-    def read(self, keys: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        tensors = self.stored.read([self.stored_names[key] for key in keys], dtype)
+    def read(
+        self, keys: list[str], dtype: torch.dtype | None = None, packed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        tensors = self.stored.read([self.stored_names[key] for key in keys], dtype, packed)
         return {key: tensors[self.stored_names[key]] for key in keys}
 
 

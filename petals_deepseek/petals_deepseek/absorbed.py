@@ -51,6 +51,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     eager_attention_forward as v3_eager_attention_forward,
 )
 
+from petals.formats.packed import PackedWeight
+
 
 def absorption_pays(query_tokens: int, context: int, *, rank: int, nope: int, rope: int, value: int) -> bool:
     """Whether a step of ``query_tokens`` over ``context`` cached tokens (the step's own included)
@@ -77,6 +79,8 @@ class LatentAbsorption:
         if self.training or type(projection) is not nn.Linear:  # bitsandbytes' layers subclass nn.Linear
             return None
         weight = projection.weight
+        if isinstance(weight, PackedWeight):  # held in its checkpoint's encoding: dequantized for this step
+            weight = weight.dequantize()
         cached = self._absorbed
         if cached is not None and cached[0] is weight:
             return cached[1], cached[2]

@@ -1,5 +1,5 @@
-"""Entry point of the Mixtral plugin: registration, dht_prefix rule, expert quantization and
-tensor-parallel sharding (transformers' own mapping fuses the per-expert checkpoint tensors)."""
+"""Entry point of the Mixtral plugin: registration, dht_prefix rule and tensor-parallel sharding
+(transformers' own mapping fuses the per-expert checkpoint tensors; core quantizes the fused experts)."""
 
 from petals import hookimpl
 from petals_mixtral.config import DistributedMixtralConfig
@@ -13,16 +13,6 @@ def register_model_families(register) -> None:
 @hookimpl
 def dht_prefix(model_id: str) -> str:
     return model_id.replace(".", "-")
-
-
-@hookimpl
-def quantize_module(module, quantize_linear):
-    """Fused experts are 3-D parameters, not ``nn.Linear``: rebuild them as quantized per-expert linears."""
-    if type(module).__name__ != "MixtralExperts":
-        return None
-    from petals_mixtral.quantization import QuantizedExperts
-
-    return QuantizedExperts(module, quantize_linear)
 
 
 @hookimpl

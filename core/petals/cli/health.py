@@ -187,7 +187,8 @@ def server_cells(row: ServerRow) -> list[str]:
         f"{info.throughput:.1f}",
         info.torch_dtype or "-",
         (info.quant_type or "-")
-        + (f" ({info.dequantized_from} dequantized)" if info.dequantized_from else ""),
+        + (f" ({info.dequantized_from} dequantized)" if info.dequantized_from else "")
+        + (f" ({info.packed_as} packed)" if info.packed_as else ""),
         ",".join(name.split("/")[-1] for name in info.adapters) or "-",
         _or_dash(row.cache_tokens_left_per_block),
         _or_dash(row.cache_memory),

@@ -33,7 +33,7 @@ def is_path_like(name: str) -> bool:
 
 def check_local_path(name: str, what: str = "model") -> None:
     """A name written as a path (``./x``, ``/x``, ``~/x``) must be a directory, or for a model a GGUF file
-    (served as it is, ``petals.gguf_checkpoint``); others are repo ids."""
+    (served as it is, ``petals.formats.gguf``); others are repo ids."""
     path = Path(name).expanduser()
     gguf = what == "model" and path.is_file() and path.suffix == ".gguf"
     if is_path_like(name) and not (path.is_dir() or gguf):
@@ -79,7 +79,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
 
     source = tokenizer or model
     folder = Path(source).expanduser()
-    from petals.gguf_checkpoint import gguf_file, load_gguf_tokenizer
+    from petals.formats.gguf import gguf_file, load_gguf_tokenizer
 
     gguf = gguf_file(source)
     if gguf is not None and not (folder.is_dir() and _has_tokenizer_files(folder)):

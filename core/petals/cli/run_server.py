@@ -41,6 +41,7 @@ from petals.server.settings import (
     DTYPE_CHOICES,
     QUANT_TYPE_CHOICES,
     THROUGHPUT_CHOICES,
+    WEIGHTS_CHOICES,
     ServerSettings,
     SettingError,
     describe_default,
@@ -168,6 +169,12 @@ def spread_words(args: Sequence[str], names: Container[str]) -> list[str]:
 @setting("--dht_prefix", "--prefix", help="DHT key prefix.")
 @setting("--torch_dtype", type=click.Choice(DTYPE_CHOICES), help="Dtype to serve in.")
 @setting("--quant_type", type=click.Choice(QUANT_TYPE_CHOICES), help="Weight quantization.")
+@setting(
+    "--weights",
+    type=click.Choice(WEIGHTS_CHOICES),
+    help="A quantized checkpoint's weights: kept in the bytes it stores them in (packed), or dequantized at "
+    "load (faster per token, more memory; `petals plan` shows both).",
+)
 @option(
     "--tensor_parallel_devices",
     cls=WordsOption,

@@ -36,7 +36,7 @@ from transformers import (
 
 from petals import tracing
 from petals.auto import AutoDistributedConfig
-from petals.checkpoint_formats import dequantize_tensors, with_companions
+from petals.checkpoint import Checkpoint
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
@@ -52,7 +52,8 @@ from petals.client.prompts import (
 from petals.client.remote_sequential import RemoteSequential
 from petals.client.suspects import Suspect
 from petals.config import model_id
-from petals.loading import Checkpoint
+from petals.formats import dequantize_tensors, with_companions
+from petals.loading import open_checkpoint
 from petals.meta_device import NoReferenceOpsOnMeta as _NoReferenceOpsOnMeta
 from petals.network.client import LOOPBACK_CLIENT, ClientNetwork
 
@@ -285,7 +286,7 @@ class DistributedModelMixin:
         config.name_or_path = str(model_name_or_path)  # as transformers sets it; ``verify`` reads it
         model = cls(config, network=network)
         model._source = (model_name_or_path, hub_kwargs)
-        checkpoint = Checkpoint.open(model_name_or_path, **hub_kwargs)
+        checkpoint = open_checkpoint(model_name_or_path, **hub_kwargs)
         model._load_local_tensors(checkpoint, dtype)
         with contextlib.suppress(Exception):  # checkpoints without generation_config.json keep the default
             if model.can_generate():

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from petals.loading import Checkpoint
+from petals.checkpoint import Checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,9 +78,9 @@ def adapter_files(name: str, source: str | os.PathLike, **hub_kwargs) -> tuple[P
     Raises ``AdapterError`` when either is missing, e.g. for an adapter saved only as a pickle.
     """
     files = Checkpoint(str(source), {}, {"cache_dir": None, "revision": None, "token": None} | hub_kwargs)
-    config_path, weights_path = files._fetch(ADAPTER_CONFIG), files._fetch(ADAPTER_WEIGHTS)
+    config_path, weights_path = files.fetch(ADAPTER_CONFIG), files.fetch(ADAPTER_WEIGHTS)
     if weights_path is None:
-        pickled = files._fetch(PICKLE_WEIGHTS) is not None
+        pickled = files.fetch(PICKLE_WEIGHTS) is not None
         raise AdapterError(
             f"adapter {name!r} ({source}) has no {ADAPTER_WEIGHTS}"
             + (

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from petals.convert.adapters import load_adapters
 from petals.convert.quantization import QuantType, quantize_block
 from petals.convert.tensor_parallel import make_tensor_parallel
+from petals.formats.packed import dequantize_in_place
 
 
 def convert_block(
@@ -30,8 +31,11 @@ def convert_block(
 
     Either sharded over ``tensor_parallel_devices``, or quantized to ``quant_type`` on its way to
     ``device`` and given the LoRA ``adapters`` ``{name: directory or repo id}`` (``hub_kwargs`` go
-    to their download).
+    to their download). Both sharding and quantization start from dense weights: a quantized
+    checkpoint's packed weights are dequantized first (so ``--quant_type`` quantizes every matrix again).
     """
+    if tensor_parallel_devices or QuantType(quant_type) is not QuantType.NONE:
+        dequantize_in_place(block)
     if tensor_parallel_devices:
         if QuantType(quant_type) is not QuantType.NONE or adapters:
             raise NotImplementedError(

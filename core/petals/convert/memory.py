@@ -5,17 +5,22 @@ How many blocks fit on a device is decided by ``petals.server.planning.plan_num_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from petals.formats import StoredWeights
+
 
 def block_weight_bytes(block: nn.Module) -> int:
-    """Bytes of a block's weights as stored: every tensor of its state dict, quantization state included.
+    """Bytes of a block's weights as held: every tensor of its state dict, quantization state included.
 
     bitsandbytes layers put their scales (``SCB``, nf4 ``absmax``/``quant_map``, nested statistics)
-    into the state dict, so int8 and nf4 blocks are measured with their overhead. Tensors shared
-    between names are counted once; non-persistent buffers (e.g. rotary frequencies) are not weights.
+    into the state dict, and packed weights their stored parts, so quantized blocks are measured with
+    their overhead. Tensors shared between names are counted once; non-persistent buffers (e.g. rotary
+    frequencies) are not weights.
     """
     seen: set[tuple[int, int]] = set()
     total = 0
@@ -33,31 +38,57 @@ def block_weight_bytes(block: nn.Module) -> int:
     return total
 
 
-# bytes per weight of a quantized matrix, scales included (nf4: 4 bits + int8 absmax per 64, nested)
-QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "nf4": 4.25 / 8}
+def weight_matrices(block: nn.Module) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    """``(name, weight, is_experts)`` of each weight matrix that quantization and packed formats act on:
+    the weights of ``nn.Linear`` modules and 3-D expert weights. Routers, norms, biases and convolutions
+    are not among them."""
+    for module_name, module in block.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{name}" if module_name else name
+            if parameter.ndim == 3 and parameter.is_floating_point():
+                yield full_name, parameter, True
+            elif isinstance(module, nn.Linear) and name == "weight":
+                yield full_name, parameter, False
 
 
 def estimate_block_weight_bytes(
-    config: PretrainedConfig, dtype: torch.dtype, quant_type: str = "none", block_index: int = 0
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    quant_type: str = "none",
+    block_index: int = 0,
+    stored: StoredWeights | None = None,
 ) -> int:
     """What ``block_weight_bytes`` will report for block ``block_index`` of ``config`` after conversion,
     without building it (blocks differ by index: DeepSeek V3's first is dense, 0.58B parameters, its
     others 11.5B with their experts).
 
-    Matrices (2-D and 3-D expert weights) take the quantized size, vectors (norms, biases) ``dtype``;
-    int8 adds its per-row fp32 scale. Built on the meta device, so it allocates nothing.
+    Weight matrices (``weight_matrices``) take what ``quant_type`` makes of them, else what their
+    checkpoint's format (``stored``, served packed) stores them in, else ``dtype``; other tensors take
+    ``dtype`` (float32 where transformers keeps them so). Built on the meta device: allocates nothing.
     """
     from petals.block import make_block
+    from petals.convert.quantization import nbytes
+    from petals.loading import kept_in_float32
 
     with torch.device("meta"):
         block = make_block(config, block_index)
-    total = 0.0
-    for parameter in block.parameters():
-        if quant_type == "none" or parameter.ndim < 2:
-            total += parameter.numel() * dtype.itemsize
+    matrices = {name: is_experts for name, _, is_experts in weight_matrices(block)}
+    kept = kept_in_float32(type(block), dtype)
+    prefix = f"{config.block_prefix}.{block_index}."
+    total = 0
+    for name, tensor in block.state_dict().items():
+        if name in matrices and quant_type != "none":
+            total += nbytes(quant_type, tensor.shape)
+            continue
+        packed = (
+            stored.matrix_nbytes(prefix + name, tensor.shape, matrices[name])
+            if name in matrices and stored
+            else None
+        )
+        if packed is not None:
+            total += packed
+        elif tensor.is_floating_point():
+            total += tensor.numel() * (4 if kept and kept.search(name) else dtype.itemsize)
         else:
-            rows = parameter.numel() // parameter.shape[-1]
-            total += parameter.numel() * QUANTIZED_BYTES_PER_WEIGHT[quant_type] + (
-                4 * rows if quant_type == "int8" else 0
-            )
-    return int(total)
+            total += tensor.numel() * tensor.element_size()
+    return total

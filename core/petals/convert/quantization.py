@@ -1,23 +1,37 @@
-"""Quantize a served block's weights with bitsandbytes: int8 (LLM.int8()) or nf4.
+"""Quantize a served block's weight matrices: int8 (LLM.int8()) or nf4, every matrix of every family.
 
-Every ``nn.Linear`` becomes ``bnb.nn.Linear8bitLt(has_fp16_weights=False, threshold=6.0)`` or
-``bnb.nn.Linear4bit`` (nf4, blocksize 64, compressed statistics), as in Petals. Weights that live
-outside ``nn.Linear`` (e.g. fused 3-D expert tensors) are quantized by the family through the
-``quantize_module`` hook, which receives the same per-linear quantizer. Weights become quantized
-when the block moves to its device (``block.to(device)``, done here). bitsandbytes is imported
-only when a block is quantized, never by ``import petals``.
+One path, no family hook: every ``nn.Linear`` becomes ``bnb.nn.Linear8bitLt(has_fp16_weights=False,
+threshold=6.0)`` or ``bnb.nn.Linear4bit`` (nf4, blocksize 64, compressed statistics), as in Petals;
+every 3-D expert weight (transformers 5's fused ``gate_up_proj``/``down_proj``, which bitsandbytes
+cannot quantize as modules) becomes a packed weight quantized one expert at a time (``Nf4Experts``:
+bitsandbytes' nf4 with the same nested statistics; ``Int8Experts``: int8 codes with a float32 scale
+per row), of which an MoE step dequantizes only the experts it routes to. A family's
+``quantize_module`` hook still comes first, for a module it quantizes its own way. Linear weights
+become quantized when the block moves to its device (``block.to(device)``, done here); expert weights
+are quantized on the device. bitsandbytes is imported only when a block is quantized, never by
+``import petals``.
+
+``nbytes`` is what each scheme takes for a matrix of a given shape, with every tensor bitsandbytes
+keeps: ``petals.convert.memory`` plans with it.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from petals.formats.packed import PackedWeight, routed_one_by_one
 from petals.plugins import get_plugin_manager
+
+NF4_BLOCK = 64  # weights per absmax
+NF4_NESTED_BLOCK = 256  # absmaxes per nested float32 absmax
+NF4_TABLES = 4 * (16 + 256)  # the nf4 code table and the nested absmax's code table, float32
+NF4_STATE_JSON = 170  # bitsandbytes' packed quant_state description in a Linear4bit's state dict (bytes)
 
 
 class QuantType(enum.StrEnum):
@@ -26,16 +40,31 @@ class QuantType(enum.StrEnum):
     NF4 = "nf4"  # 4-bit NormalFloat, ~4x smaller than fp16
 
 
+def nbytes(quant_type: QuantType | str, shape: Sequence[int]) -> int:
+    """Bytes a weight of ``shape`` takes quantized: a 2-D linear as bitsandbytes' layer keeps it, 3-D
+    experts as ``Nf4Experts``/``Int8Experts`` do."""
+    *lead, rows, cols = shape
+    experts, count = math.prod(lead), rows * cols
+    absmaxes = math.ceil(count / NF4_BLOCK)
+    nested = math.ceil(absmaxes / NF4_NESTED_BLOCK)
+    if QuantType(quant_type) is QuantType.NF4:
+        per_matrix = math.ceil(count / 2) + absmaxes + 4 * nested
+        return (
+            per_matrix + NF4_TABLES + NF4_STATE_JSON if not lead else experts * (per_matrix + 4) + NF4_TABLES
+        )
+    return experts * (count + 4 * rows) + (0 if lead else 1)  # int8 codes, a float32 scale per row
+
+
 def quantize_block(
     block: nn.Module,
     quant_type: QuantType | str,
     compute_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """Replace the block's linear weights by quantized ones in place and move it to ``device``.
+    """Replace the block's weight matrices by quantized ones in place and move it to ``device``.
 
-    ``compute_dtype`` is the dtype nf4 layers dequantize to (int8 layers compute in the input's dtype).
-    Call this while the weights are still on CPU: quantization happens on the move to ``device``.
+    ``compute_dtype`` is the dtype nf4 layers and quantized experts dequantize to (int8 linears compute
+    in the input's dtype). Call this while the weights are still on CPU: linears quantize on the move.
     """
     quant_type = QuantType(quant_type)
     if quant_type is not QuantType.NONE:
@@ -46,7 +75,12 @@ def quantize_block(
             config=config,
             quantize_linear=quantize_linear,
         )
-        _replace_modules(block, offer, quantize_linear)
+        quantize_experts = functools.partial(
+            Nf4Experts if quant_type is QuantType.NF4 else Int8Experts,
+            dtype=compute_dtype,
+            device=torch.device(device),
+        )
+        _replace_modules(block, offer, quantize_linear, quantize_experts)
     return block.to(device)
 
 
@@ -54,13 +88,84 @@ def _replace_modules(
     module: nn.Module,
     offer: Callable[..., nn.Module | None],  # the family's quantize_module hook, called with module=
     quantize_linear: Callable[[nn.Linear], nn.Module],
+    quantize_experts: Callable[[torch.Tensor], PackedWeight],
 ) -> None:
-    for name, child in module.named_children():
+    """Quantize ``module``'s own 3-D weights (fused experts), then each child: a linear, what the family's
+    hook answers for it (a module it returns is kept as it is), or its own weights and children."""
+    for name, parameter in list(module.named_parameters(recurse=False)):
+        if parameter.ndim == 3 and parameter.is_floating_point():
+            del module._parameters[name]
+            module.add_module(name, quantize_experts(parameter.data))
+            routed_one_by_one(module)
+    for name, child in list(module.named_children()):
+        if isinstance(child, PackedWeight):
+            continue
         replacement = quantize_linear(child) if isinstance(child, nn.Linear) else offer(module=child)
         if replacement is not None:
             setattr(module, name, replacement)
         else:
-            _replace_modules(child, offer, quantize_linear)
+            _replace_modules(child, offer, quantize_linear, quantize_experts)
+
+
+class Nf4Experts(PackedWeight):
+    """``[experts, rows, cols]`` in bitsandbytes' nf4, one quantization (with nested statistics) per
+    expert: codes, uint8 absmaxes, their float32 absmaxes and offset; the code tables once."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        import bitsandbytes.functional as bnbf
+
+        super().__init__(weight.shape, dtype)
+        states, codes = [], []
+        for expert in weight:
+            packed, state = bnbf.quantize_4bit(
+                expert.to(device), blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4"
+            )
+            codes.append(packed.reshape(-1))
+            states.append(state)
+        self.register_buffer("codes", torch.stack(codes))
+        self.register_buffer("absmax", torch.stack([state.absmax for state in states]))
+        self.register_buffer("nested_absmax", torch.stack([state.state2.absmax for state in states]))
+        self.register_buffer(
+            "offset", torch.stack([torch.as_tensor(state.offset).reshape(()) for state in states])
+        )
+        self.register_buffer("quant_map", states[0].code)
+        self.register_buffer("nested_quant_map", states[0].state2.code)
+
+    def expert(self, index: int) -> torch.Tensor:
+        import bitsandbytes.functional as bnbf
+
+        nested = bnbf.QuantState(
+            absmax=self.nested_absmax[index],
+            code=self.nested_quant_map,
+            blocksize=NF4_NESTED_BLOCK,
+            dtype=torch.float32,
+        )
+        state = bnbf.QuantState(
+            absmax=self.absmax[index],
+            shape=self.shape[1:],
+            code=self.quant_map,
+            blocksize=NF4_BLOCK,
+            quant_type="nf4",
+            dtype=self.dtype,
+            offset=self.offset[index],
+            state2=nested,
+        )
+        return bnbf.dequantize_4bit(self.codes[index].reshape(-1, 1), state)
+
+
+class Int8Experts(PackedWeight):
+    """``[experts, rows, cols]`` as int8 codes with a float32 absmax per row: ``W = codes * absmax / 127``."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(weight.shape, dtype)
+        weight = weight.to(device=device, dtype=torch.float32)
+        absmax = weight.abs().amax(dim=-1).clamp(min=1e-12)
+        self.register_buffer("codes", torch.round(weight * (127 / absmax[..., None])).to(torch.int8))
+        self.register_buffer("absmax", absmax)
+
+    def expert(self, index: int) -> torch.Tensor:
+        scale = (self.absmax[index] / 127)[:, None]
+        return (self.codes[index].to(torch.float32) * scale).to(self.dtype)
 
 
 def _linear_quantizer(quant_type: QuantType, compute_dtype: torch.dtype) -> Callable[[nn.Linear], nn.Module]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from petals.formats import StoredWeights
 from petals.policies.placement import no_span_fits, span_lengths
 from petals.server.settings import (
     FULL_KV_LIMITS,
@@ -43,7 +44,7 @@ def resolve_settings(settings: ServerSettings) -> ServerSettings:
     ``ModuleNotFoundError`` when an optional package
     that the settings need is missing, and what loading the config or the adapters raises.
     """
-    from petals.checkpoint_formats import checkpoint_format
+    from petals.formats import checkpoint_format
     from petals.server.throughput import resolve_throughput
 
     config = settings.load_config()
@@ -62,6 +63,7 @@ def resolve_settings(settings: ServerSettings) -> ServerSettings:
         dtype=choose_dtype(settings.dtype, config, device),
         device=device,
         quant_type=quant_type,
+        weights=choose_weights(settings.weights, quant_type, tensor_parallel_devices),
         tensor_parallel_devices=tensor_parallel_devices,
         **choose_limits(settings, config),
     )
@@ -139,6 +141,16 @@ def choose_quant_type(
     return "nf4" if torch.device(device).type == "cuda" and not tensor_parallel_devices else "none"
 
 
+def choose_weights(
+    requested: str, quant_type: str, tensor_parallel_devices: Sequence[torch.device] = ()
+) -> str:
+    """A quantized checkpoint's weights stay packed unless ``--quant_type`` quantizes them again or
+    ``tensor_parallel`` shards them (both start from dense weights): then they are dequantized at load."""
+    if quant_type != "none" or tensor_parallel_devices:
+        return "dequantized"
+    return requested
+
+
 def default_limits(config: PretrainedConfig) -> ModelLimits:
     """The per-block limits for this model: larger when its attention groups query heads (GQA, MQA) in
     every layer that attends, as in Petals; the layers that keep a fixed-size state instead (linear
@@ -210,6 +222,7 @@ def choose_num_blocks(
         settings.attn_cache_tokens,
         adapter_files=adapter_weights,
         tensor_parallel_devices=settings.tensor_parallel_devices,
+        stored=StoredWeights.of(settings.model, config) if settings.weights == "packed" else None,
     )
     return longest_placeable(num_blocks, total, closed)
 
@@ -271,6 +284,7 @@ def plan_num_blocks(
     adapter_files: Mapping[str, os.PathLike] = {},
     tensor_parallel_devices: Sequence[torch.device | str] = (),
     memory_bytes: int | None = None,
+    stored: StoredWeights | None = None,
 ) -> tuple[int, str]:
     """How many blocks fit in device memory, and the arithmetic behind it (also logged).
 
@@ -281,7 +295,8 @@ def plan_num_blocks(
     With tensor parallelism the devices' memories add up (counted as ``n * min``).
     ``memory_bytes`` overrides the measured total. Each block counts its own cache (blocks of different
     kinds differ): the plan is the longest span of consecutive blocks that fits wherever it starts.
-    ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose.
+    ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose. ``stored``: a
+    quantized checkpoint served packed (its matrices count in their stored bytes).
     """
     from petals.block import cache_spec
     from petals.convert import estimate_block_weight_bytes
@@ -294,7 +309,7 @@ def plan_num_blocks(
     # each block's own weights (dense or experts by index) and cache: a pool of attn_cache_tokens tokens
     # of its kind (a block of states keeps less)
     blocks = range(config.num_hidden_layers)
-    weights = [estimate_block_weight_bytes(config, dtype, quant_type, index) for index in blocks]
+    weights = [estimate_block_weight_bytes(config, dtype, quant_type, index, stored) for index in blocks]
     caches = [cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype) for index in blocks]
     adapters = adapter_bytes_per_block(config, adapter_files)
     autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
@@ -305,7 +320,7 @@ def plan_num_blocks(
     explanation = (
         f"{num_blocks} blocks = the most consecutive of the model's {config.num_hidden_layers} that fit in "
         f"{_gib(memory_bytes)} memory on {', '.join(map(str, devices))} - {_gib(autograd)} autograd reserve; "
-        f"per block: {_gib_range(weights)} weights ({quant_type}, {str(dtype).removeprefix('torch.')}) "
+        f"per block: {_gib_range(weights)} weights ({_weights_kind(quant_type, dtype, stored)}) "
         f"+ {_gib_range(caches)} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
     )
     logger.info("Memory plan: %s", explanation)
@@ -315,6 +330,12 @@ def plan_num_blocks(
             "or set --num_blocks explicitly"
         )
     return num_blocks, explanation
+
+
+def _weights_kind(quant_type: str, dtype: torch.dtype, stored: StoredWeights | None) -> str:
+    if quant_type == "none" and stored is not None:
+        return f"{stored.name} packed, the rest {str(dtype).removeprefix('torch.')}"
+    return f"{quant_type}, {str(dtype).removeprefix('torch.')}"
 
 
 def most_consecutive_blocks(costs: Sequence[int], budget: int) -> int:

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 import petals
 from petals.block import closed_boundaries
-from petals.checkpoint_formats import dequantized_from, dequantized_note
 from petals.convert import block_weight_bytes, convert_block
 from petals.data_structures import ModelInfo, ServerInfo, ServerState, make_uids
 from petals.dht import (
@@ -32,7 +31,8 @@ from petals.dht import (
     expiration_from_now,
     get_remote_module_infos,
 )
-from petals.loading import Checkpoint, load_block
+from petals.formats import stored_as, weights_note
+from petals.loading import load_block, open_checkpoint
 from petals.membership import load_membership
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
 from petals.policies.placement import MoveHistory, shared_groups
@@ -62,8 +62,8 @@ class Server:
         (``ServerMetrics.serve``) or none."""
         self.settings, self.metrics = settings, metrics
         self.config = settings.load_config()
-        # the stored format its weights are dequantized from (log, health), None for plain weights
-        self.stored_as = dequantized_from(settings.model, self.config)
+        # the checkpoint's stored format (log, health), None for plain weights
+        self.stored_as = stored_as(settings.model, self.config)
         self.dht_prefix: str = self.config.dht_prefix
         self.total_blocks: int = self.config.num_hidden_layers
         # between layers that share keys and values: no span of blocks may begin or end there
@@ -197,7 +197,8 @@ class Server:
             cache_bytes_held=budget.bytes_by_kind() if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
-            dequantized_from=self.stored_as,
+            dequantized_from=self.stored_as if self.settings.weights == "dequantized" else None,
+            packed_as=self.stored_as if self.settings.weights == "packed" else None,
         )
 
     def model_info(self) -> ModelInfo:
@@ -307,19 +308,23 @@ class ServingSpan:
         )
 
     def _load_blocks(self) -> list[BlockBackend]:
-        checkpoint = Checkpoint.open(
+        checkpoint = open_checkpoint(
             self.settings.model,
             cache_dir=self.settings.cache_dir,
             token=self.settings.token,
             revision=self.settings.revision,
             max_disk_space=self.settings.max_disk_space,
         )
-        stored_as = self.server.stored_as
-        if stored_as is not None:
+        stored = self.server.stored_as
+        if stored is not None:
             logger.info(
                 "%s",
-                dequantized_note(
-                    stored_as, self.settings.dtype, self.settings.device, self.settings.quant_type
+                weights_note(
+                    stored,
+                    self.settings.weights,
+                    self.settings.dtype,
+                    self.settings.device,
+                    self.settings.quant_type,
                 ),
             )
         backends = []
@@ -333,6 +338,7 @@ class ServingSpan:
                 self.settings.dtype,
                 config=self.server.config,
                 checkpoint=checkpoint,
+                weights=self.settings.weights,
             )
             module = convert_block(
                 block,

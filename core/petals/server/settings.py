@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 QUANT_TYPE_CHOICES = ("none", "int8", "nf4")
+WEIGHTS_CHOICES = ("packed", "dequantized")
 THROUGHPUT_CHOICES = ("auto", "eval", "dry_run")
 
 
@@ -95,6 +96,11 @@ class ServerSettings:
         "the first --tensor_parallel_devices, else cuda if available, else cpu"
     )
     quant_type: str | None = _decided("nf4 on GPUs, none on CPU or with --tensor_parallel_devices")
+    # a quantized checkpoint's weights: kept in their stored bytes, or dequantized at load (faster, more memory)
+    weights: str = field(
+        default="packed",
+        metadata={"default": "packed (dequantized where --quant_type or --tensor_parallel_devices needs it)"},
+    )
     tensor_parallel_devices: tuple[torch.device | str, ...] = ()
     adapters: tuple[str, ...] = ()  # each a local directory or a repo id, also the name clients ask for
     throughput: ThroughputInfo | float | str = "auto"  # a number, or one of THROUGHPUT_CHOICES

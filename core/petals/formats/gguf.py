@@ -1,14 +1,14 @@
 """GGUF files (the single-file format of ggml-based runtimes) served as they are published, one block at a time.
 
 ``petals serve FILE.gguf`` (or a folder holding one ``.gguf`` file and no ``config.json``) serves the file
-itself: each server reads only its blocks' tensors, by name, dequantized to the serving dtype as they are
-read; the client reads the embeddings, norms and head the same way and the tokenizer from the file. No
-dense copy of the model is written anywhere.
+itself: each server reads only its blocks' tensors, by name. A quantized matrix stays in its GGUF blocks
+(``GgufWeight``: the raw rows, dequantized per forward by ``petals.formats.gguf_quants``) unless the
+server dequantizes at load (``--weights dequantized``); the client reads the embeddings, norms and head
+the same way and the tokenizer from the file. No dense copy of the model is written anywhere.
 
 Taken from the libraries:
 
-- ``gguf.GGUFReader`` memory-maps the file (only the pages of the tensors read are touched) and
-  ``gguf.quants.dequantize`` turns any quant type ``gguf`` knows (Q4_K, Q8_0, F16, ...) into float32;
+- ``gguf.GGUFReader`` memory-maps the file (only the pages of the tensors read are touched);
 - transformers (``modeling_gguf_pytorch_utils``): the config from the metadata (``PretrainedConfig``
   with ``gguf_file``), the GGUF-name -> Hugging Face-name map (``get_gguf_hf_weights_map``, over the model
   built on the meta device) and the per-architecture fix-ups of tensors (``TENSOR_PROCESSORS``: the
@@ -18,7 +18,9 @@ Taken from the libraries:
 Written here, because transformers reads a GGUF file only whole: finding the file, reading a chosen
 set of tensors (one block's, or the client's) through the processor one tensor at a time and casting
 each to the serving dtype at once, and sharing one parsed reader per file in a process (parsing a
-tokenizer's vocabulary takes seconds, and config, weights and tokenizer each asked for it).
+tokenizer's vocabulary takes seconds, and config, weights and tokenizer each asked for it). A processor
+that only reorders rows (the query/key permutation of some architectures) is applied to a packed weight's rows: it is run
+on the row numbers, and what comes back is the order (``_row_order``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from petals.loading import Checkpoint, CheckpointError
+from petals.checkpoint import Checkpoint, CheckpointError
+from petals.formats.packed import PackedWeight
 
 GGUF_SUFFIX = ".gguf"
 _READERS: dict[str, Any] = {}
@@ -96,6 +99,21 @@ def gguf_quant_types(path: str | os.PathLike) -> list[str]:
     return [name for name, _ in counts.most_common() if name != "F32"]
 
 
+def gguf_stored_nbytes(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes each block-quantized tensor of a GGUF file takes, under its Hugging Face name (read from the
+    header; float tensors are left out: a server holds them in its dtype)."""
+    from petals.formats.gguf_quants import is_quantized
+
+    checkpoint = GGUFCheckpoint.open_file(path)
+    by_name = {tensor.name: tensor for tensor in reader(path).tensors}
+    sizes: dict[str, int] = {}
+    for hf_name, name in checkpoint.weight_map.items():
+        tensor = by_name[name]
+        if is_quantized(tensor.tensor_type):
+            sizes[hf_name] = int(tensor.n_bytes)
+    return sizes
+
+
 def load_gguf_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
@@ -142,22 +160,33 @@ class GGUFCheckpoint(Checkpoint):
             )
         return cls(str(path), weight_map, {}, None, path, architecture, config_dict)
 
-    def read(self, keys: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The named tensors, each dequantized to float32 (then ``dtype``) as it is read, one at a time."""
-        from gguf.quants import dequantize
+    def read(
+        self, keys: list[str], dtype: torch.dtype | None = None, packed: bool = False
+    ) -> dict[str, torch.Tensor | PackedWeight]:
+        """The named tensors, each dequantized to float32 (then ``dtype``) as it is read, one at a time;
+        with ``packed``, quantized matrices stay in their GGUF blocks (``GgufWeight``) where the
+        architecture's processor only reorders their rows."""
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        from petals.formats.gguf_quants import dequantize, is_quantized
 
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config_dict)
         to_hf = {name: hf_name for hf_name, name in self.weight_map.items()}
         by_name = {tensor.name: tensor for tensor in reader(self.path).tensors}
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor | PackedWeight] = {}
         for key in keys:
             if key not in self.weight_map:
                 raise CheckpointError(f"{self.path} has no tensor for {key}")
             stored = by_name[self.weight_map[key]]
+            raw = torch.from_numpy(np.asarray(stored.data))
+            if packed and is_quantized(stored.tensor_type):
+                order = _row_order(processor, stored, to_hf)
+                if order is not None:
+                    tensors[key] = GgufWeight(raw, int(stored.tensor_type), _shape(stored), dtype, order)
+                    continue
             parsed: dict[str, dict] = {"tensors": {}}  # where MoE processors put stacked experts
             result = processor.process(
-                weights=dequantize(stored.data, stored.tensor_type),
+                weights=dequantize(raw, int(stored.tensor_type), torch.float32, _shape(stored)).numpy(),
                 name=stored.name,
                 tensor_key_mapping=to_hf,
                 parsed_parameters=parsed,
@@ -167,6 +196,67 @@ class GGUFCheckpoint(Checkpoint):
             for name, tensor in parsed["tensors"].items():
                 tensors[name] = tensor.to(dtype) if dtype is not None else tensor
         return tensors
+
+
+def _shape(stored) -> tuple[int, ...]:
+    """A GGUF tensor's shape in torch's order (GGUF lists the fastest dimension first)."""
+    return tuple(int(size) for size in reversed(stored.shape.tolist()))
+
+
+def _row_order(processor, stored, to_hf: dict[str, str]) -> torch.Tensor | None:
+    """The order ``processor`` gives a tensor's rows, found by processing the row numbers; None when it
+    does more than reorder rows (MoE stacking, transposes): that tensor is then read dequantized."""
+    shape = _shape(stored)
+    rows = int(np.prod(shape[:-1]))
+    numbers = np.arange(rows, dtype=np.float64).reshape(*shape[:-1], 1)
+    parsed: dict[str, dict] = {"tensors": {}}
+    result = processor.process(
+        weights=numbers, name=stored.name, tensor_key_mapping=to_hf, parsed_parameters=parsed
+    )
+    if parsed["tensors"] or result.weights is None or tuple(np.shape(result.weights)) != tuple(numbers.shape):
+        return None
+    order = torch.from_numpy(np.asarray(result.weights).reshape(-1).astype(np.int64))
+    if not torch.equal(torch.sort(order).values, torch.arange(rows)):
+        return None
+    return order
+
+
+class GgufWeight(PackedWeight):
+    """A matrix (or 3-D experts) as GGUF blocks: ``raw`` uint8 ``[rows, bytes per row]`` of quant type
+    ``qtype`` (every row its own blocks), in the row order ``order`` (None: as stored)."""
+
+    def __init__(
+        self,
+        raw: torch.Tensor,
+        qtype: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+        order: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(shape, dtype or torch.float32)
+        rows = int(np.prod(shape[:-1]))
+        raw = raw.reshape(rows, -1)
+        # a private copy (never the file's memory map), in the processor's order (permuted query/key rows)
+        raw = raw[order] if order is not None else raw.clone()
+        self.qtype = qtype
+        self.register_buffer("raw", raw)
+
+    def dequantize(self) -> torch.Tensor:
+        from petals.formats.gguf_quants import dequantize
+
+        return dequantize(self.raw, self.qtype, self.dtype, self.shape)
+
+    def expert(self, index: int) -> torch.Tensor:
+        from petals.formats.gguf_quants import dequantize
+
+        per_expert = self.raw.shape[0] // self.shape[0]
+        rows = self.raw[index * per_expert : (index + 1) * per_expert]
+        return dequantize(rows, self.qtype, self.dtype, self.shape[1:])
+
+    def extra_repr(self) -> str:
+        from gguf.constants import GGMLQuantizationType
+
+        return f"{super().extra_repr()}, {GGMLQuantizationType(self.qtype).name}"
 
 
 def local_model(model_name_or_path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
