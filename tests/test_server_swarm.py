@@ -29,6 +29,7 @@ INFO_FIELDS = {
     "next_pings",
     "weight_bytes",
     "dequantized_from",
+    "packed_as",  # petals-core extension: the stored format a quantized checkpoint is served packed in
     "cache_bytes",  # petals-core extensions: the cache budget in bytes, and what sessions hold by kind
     "cache_bytes_held",
 }

@@ -21,7 +21,29 @@ def read_config_dict(model_name_or_path: str | os.PathLike, **kwargs: Any) -> di
     config_dict, _ = PretrainedConfig.get_config_dict(model_name_or_path, **kwargs)
     if "model_type" not in config_dict:
         raise ValueError(f"{model_name_or_path}: config.json has no model_type")
+    check_dtypes(config_dict, model_name_or_path)
     return config_dict
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json holds a value transformers would fail on with a traceback."""
+
+
+def check_dtypes(config_dict: dict[str, Any], model_name_or_path: str | os.PathLike) -> None:
+    """A ``dtype``/``torch_dtype`` of config.json (or of its ``text_config``) that names no torch dtype
+    ends in one line: transformers would fail with ``AttributeError: module 'torch' has no attribute``."""
+    import torch
+
+    for scope in (config_dict, config_dict.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = scope.get(key) if isinstance(scope, dict) else None
+            if value is None or value == "auto":
+                continue
+            if not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ConfigError(
+                    f"{model_name_or_path}: config.json's {key} {value!r} is not a torch dtype (such as "
+                    "float32, bfloat16, float16): fix config.json, or download the checkpoint again"
+                )
 
 
 def read_model_type(model_name_or_path: str | os.PathLike, **kwargs: Any) -> str:

@@ -9,6 +9,7 @@ so a file changed or cut short under a running server changes nothing it serves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import torch
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.constants import HF_HUB_CACHE
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from petals.disk_cache import cache_lock, make_room, mark_used
 
@@ -48,10 +49,10 @@ class Checkpoint:
         """This checkpoint with the weight map of its safetensors files."""
         index = self.fetch(SAFE_INDEX)
         if index is not None:
-            return replace(self, weight_map=json.loads(index.read_text())["weight_map"])
+            return replace(self, weight_map=_weight_map_of_index(index))
         single = self.fetch(SAFE_SINGLE)
         if single is not None:
-            with safe_open(single, framework="pt") as file:
+            with _opened(single) as file:
                 return replace(self, weight_map=dict.fromkeys(file.keys(), SAFE_SINGLE))
         if any(self.fetch(name) is not None for name in PICKLE_FILES):
             raise CheckpointError(
@@ -123,11 +124,53 @@ class Checkpoint:
             path = self.fetch(filename)
             if path is None:
                 raise CheckpointError(f"{self.source}: shard {filename} listed in {SAFE_INDEX} is missing")
-            with safe_open(path, framework="pt") as file:
+            with _opened(path) as file:
                 for key in keys:
                     if self.weight_map[key] == filename:
-                        tensors[key] = _private(file.get_tensor(key))
+                        tensors[key] = _private(_tensor(file, path, key))
         return tensors
+
+
+DAMAGED = "it is damaged or incomplete: download it again (or copy it whole)"
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """``safe_open(path)``, a file safetensors cannot parse ending in one ``CheckpointError`` naming it."""
+    try:
+        file = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({_first_line(error)}): {DAMAGED}"
+        ) from None
+    with file:
+        yield file
+
+
+def _tensor(file, path: Path, key: str) -> torch.Tensor:
+    """One tensor of an open file; a file shorter than its header says (cut off) names the tensor."""
+    try:
+        return file.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise CheckpointError(f"{path}: cannot read tensor {key} ({_first_line(error)}): {DAMAGED}") from None
+
+
+def _weight_map_of_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"{index} is not a valid safetensors index ({_first_line(error)}): {DAMAGED}"
+        ) from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in weight_map.items()
+    ):
+        raise CheckpointError(f"{index}: its weight_map is not a mapping of tensor names to files: {DAMAGED}")
+    return weight_map
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def _private(tensor: torch.Tensor) -> torch.Tensor:

@@ -157,14 +157,96 @@ def load_block(
                 set_dtype(value, target)
             elif value.is_floating_point():
                 state_dict[name] = value.to(target)
-    try:
-        install_weights(block, state_dict)
-    except (KeyError, ValueError) as error:
-        raise CheckpointError(f"{checkpoint.source}, block {block_index}: {error.args[0]}") from None
+    _fill_block(block, state_dict, checkpoint, f"{config.block_prefix}.{block_index}.", block_index)
     leftovers = [name for name, tensor in _named_tensors(block) if tensor.is_meta]
     if leftovers:
         raise CheckpointError(f"block {block_index}: tensors not filled from the checkpoint: {leftovers}")
     return block.eval().requires_grad_(False)
+
+
+def _fill_block(
+    block: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor | PackedWeight],
+    checkpoint: Checkpoint,
+    prefix: str,
+    block_index: int,
+) -> None:
+    """Fill ``block`` (on the meta device) with ``state_dict`` after checking it against the block: every
+    tensor present, nothing unexpected but known-harmless extras (dropped), every shape and kind as the
+    config makes them. A mismatch ends in one ``CheckpointError`` naming the file, block and tensors."""
+    expected = dict(block.state_dict(keep_vars=True))
+    harmless = harmless_extras(type(block))
+    state_dict = {
+        name: value
+        for name, value in state_dict.items()
+        if name in expected or harmless is None or not harmless.search(name)
+    }
+    problems = [f"missing {name}" for name in expected if name not in state_dict]
+    problems += [f"unexpected {name}" for name in state_dict if name not in expected]
+    for name, value in state_dict.items():
+        if name not in expected:
+            continue
+        want = expected[name]
+        if tuple(value.shape) != tuple(want.shape):
+            problems.append(f"{name} is {list(value.shape)}, not {list(want.shape)}")
+        elif not isinstance(value, PackedWeight) and value.is_floating_point() != want.is_floating_point():
+            problems.append(
+                f"{name} is {str(value.dtype).removeprefix('torch.')}, not a {_kind(want)} tensor"
+            )
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        where = _file_of(checkpoint, prefix, problems)
+        raise CheckpointError(
+            f"{where}: block {block_index} does not match the model its config.json describes ({shown}): "
+            "the checkpoint is damaged or belongs to another model; download it again"
+        )
+    install_weights(block, state_dict)
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return "floating-point" if tensor.is_floating_point() else "integer"
+
+
+def _file_of(checkpoint: Checkpoint, prefix: str, problems: list[str]) -> str:
+    """The checkpoint file a problem is in: the shard of the first named tensor stored there, else the
+    one file holding the block's tensors, else the checkpoint (a GGUF file is its own path)."""
+    path = getattr(checkpoint, "path", None)
+    if path:
+        return str(path)
+    for problem in problems:
+        name = (
+            problem.split(" ")[1]
+            if problem.startswith(("missing ", "unexpected "))
+            else problem.split(" ")[0]
+        )
+        stored = checkpoint.weight_map.get(prefix + name)
+        if stored is not None:
+            return f"{checkpoint.source}/{stored}"
+    files = {file for name, file in checkpoint.weight_map.items() if name.startswith(prefix)}
+    return f"{checkpoint.source}/{files.pop()}" if len(files) == 1 else checkpoint.source
+
+
+def harmless_extras(block_class: type) -> re.Pattern | None:
+    """Stored tensors transformers ignores when it loads the block's model, and so does a server: rotary
+    frequencies and position ids older checkpoints stored per layer (buffers computed, not loaded, today)
+    and the model classes' own ``_keys_to_ignore_on_load_unexpected``."""
+    patterns = {r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$"}
+    for model_class in _model_classes(block_class):
+        patterns.update(model_class._keys_to_ignore_on_load_unexpected or ())
+    return re.compile("|".join(f"({pattern})" for pattern in sorted(patterns)))
+
+
+def _model_classes(block_class: type) -> list[type]:
+    """transformers' model classes defined beside the block's transformers layer."""
+    from transformers import PreTrainedModel
+
+    modules = {cls.__module__ for cls in block_class.__mro__ if cls.__module__.startswith("transformers.")}
+    return [
+        value
+        for module_name in sorted(modules)
+        for value in vars(sys.modules[module_name]).values()
+        if isinstance(value, type) and issubclass(value, PreTrainedModel)
+    ]
 
 
 def kept_in_float32(block_class: type, dtype: torch.dtype) -> re.Pattern | None:
@@ -174,17 +256,11 @@ def kept_in_float32(block_class: type, dtype: torch.dtype) -> re.Pattern | None:
     ``_keep_in_fp32_modules`` in float16, matched on the block's tensor names as transformers matches them."""
     if dtype not in (torch.float16, torch.bfloat16):
         return None
-    from transformers import PreTrainedModel
-
     patterns: set[str] = set()
-    for module_name in {
-        cls.__module__ for cls in block_class.__mro__ if cls.__module__.startswith("transformers.")
-    }:
-        for value in vars(sys.modules[module_name]).values():
-            if isinstance(value, type) and issubclass(value, PreTrainedModel):
-                patterns.update(value._keep_in_fp32_modules_strict or ())
-                if dtype == torch.float16:
-                    patterns.update(value._keep_in_fp32_modules or ())
+    for model_class in _model_classes(block_class):
+        patterns.update(model_class._keep_in_fp32_modules_strict or ())
+        if dtype == torch.float16:
+            patterns.update(model_class._keep_in_fp32_modules or ())
     if not patterns:
         return None
     alternation, _, _ = build_glob_alternation(sorted(patterns))

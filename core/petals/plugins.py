@@ -76,10 +76,15 @@ class PluginManager(pluggy.PluginManager):
         self.register(default_hooks, name=DEFAULT_HOOKS_NAME)
         self.distributions: dict[str, PluginDistribution] = {}
         self.failures: list[PluginFailure] = []
+        self.skipped: dict[str, str] = {}  # installed plugins not loaded -> the variable that left them out
 
     def load_entry_points(self, allow: set[str] | None = None, block: set[str] = frozenset()) -> None:
         for entry_point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=_ep_name):
-            if (allow is not None and entry_point.name not in allow) or entry_point.name in block:
+            if entry_point.name in block:
+                self.skipped[entry_point.name] = f"{BLOCK_ENV} names it"
+                continue
+            if allow is not None and entry_point.name not in allow:
+                self.skipped[entry_point.name] = f"{ALLOW_ENV} does not name it"
                 continue
             if self.get_plugin(entry_point.name) is not None:
                 continue
@@ -113,6 +118,12 @@ class PluginManager(pluggy.PluginManager):
             return families[model_type]
         installed = ", ".join(sorted(families)) or "none"
         failed = "".join(f"; plugin {f.name!r} failed to load ({f.error})" for f in self.failures)
+        if self.skipped:
+            skipped = ", ".join(f"{name!r} ({why})" for name, why in sorted(self.skipped.items()))
+            raise UnknownModelTypeError(
+                f"model type {model_type!r} has no loaded plugin; loaded: {installed}{failed}; installed but "
+                f"not loaded: {skipped}. If one of those serves {model_type!r}, change {BLOCK_ENV} / {ALLOW_ENV}"
+            )
         raise UnknownModelTypeError(
             f"model type {model_type!r} has no installed plugin; installed: {installed}{failed}. "
             f"Install a plugin that registers {model_type!r} (a distribution with an entry point in group "

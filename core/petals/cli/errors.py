@@ -80,7 +80,15 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         text="failed to connect to bootstrap peers",
     ),
     KnownFailure("P2PDaemonError", lambda error: f"the p2p daemon failed: {_daemon_detail(error)}"),
+    KnownFailure(
+        "PortInUseError",
+        lambda error: (
+            f"the port is in use ({error.strerror}): choose another --port (or --port 0 for a free one) "
+            "or stop the process that holds it"
+        ),
+    ),
     KnownFailure("IdentityInUseError", str),
+    KnownFailure("IdentityFileError", str),
     KnownFailure("SwarmUnreachableError", str),
     KnownFailure("MissingBlocksError", str),
     KnownFailure("ServerFailure", str),  # every server of some blocks fails with the same [internal] error
@@ -89,6 +97,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     KnownFailure("ImportError", str),  # ours say which extra to install
     KnownFailure("PluginError", str),
     KnownFailure("CheckpointError", str),
+    KnownFailure("ConfigError", str),  # petals.auto
     KnownFailure("ModelNotFoundError", str),  # petals.cli.model_files
     KnownFailure("MissingTokenizerError", str),
     KnownFailure("PromptsFileError", str),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import difflib
 import gc
 import json
 import logging
@@ -84,7 +85,14 @@ def load_config_file(ctx: click.Context, param: click.Parameter, path: str | Non
         raise click.BadParameter(f"cannot read {path}: {error}", ctx, param) from error
     if not isinstance(values, dict):
         raise click.BadParameter(f"{path} must hold a mapping of option names to values", ctx, param)
-    ctx.default_map = {**(ctx.default_map or {}), **{str(k).replace("-", "_"): v for k, v in values.items()}}
+    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    known = {option.name for option in ctx.command.params if option.name and option.name != param.name}
+    for key in values:
+        if key not in known:
+            nearest = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+            raise click.BadParameter(f"{path}: unknown option {key!r}{hint}", ctx, param)
+    ctx.default_map = {**(ctx.default_map or {}), **values}
     return path
 
 

@@ -53,7 +53,11 @@ class PackedWeight(nn.Module):
         return self.dequantize()[index]
 
     def linear(self, inputs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(inputs, weight, bias)``: the dequantized weight, unless a subclass has a kernel."""
+        """``F.linear(inputs, weight, bias)``: the dequantized weight, unless a subclass has a kernel.
+        Where autograd records the step (a backward pass through the block), the weight is dequantized
+        again for the backward rather than kept alive in the graph."""
+        if torch.is_grad_enabled() and inputs.requires_grad:
+            return _RecomputedLinear.apply(inputs, bias, self)
         return F.linear(inputs, self.dequantize().to(inputs.dtype), bias)
 
     # --- what every packed weight is --------------------------------------------------------------
@@ -117,6 +121,22 @@ class PackedWeight(nn.Module):
                 bias = rest[0] if rest else kwargs.get("bias")
                 return weight.linear(inputs, bias)
         return func(*_dense(args), **_dense(kwargs))
+
+
+class _RecomputedLinear(torch.autograd.Function):
+    """``F.linear`` over a packed weight that autograd does not save: the graph of a backward pass would
+    otherwise hold a dequantized copy of every weight until the backward runs. Weights are frozen:
+    gradients flow to the inputs only."""
+
+    @staticmethod
+    def forward(ctx, inputs: torch.Tensor, bias: torch.Tensor | None, weight: PackedWeight) -> torch.Tensor:
+        ctx.weight = weight
+        return F.linear(inputs, weight.dequantize().to(inputs.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        dense = ctx.weight.dequantize().to(grad_output.dtype)
+        return grad_output @ dense, None, None
 
 
 def _dense(value):
@@ -200,35 +220,16 @@ def set_dtype(weight: PackedWeight, dtype: torch.dtype) -> None:
 
 
 def install_weights(block: nn.Module, state_dict: dict[str, torch.Tensor | PackedWeight]) -> None:
-    """Fill ``block`` (built on the meta device) with ``state_dict``: plain tensors are assigned as
-    parameters and buffers, packed weights replace the parameter of their name. Raises ``KeyError``
-    naming what is missing or unexpected."""
+    """Fill ``block`` (built on the meta device) with ``state_dict``, whose names and shapes are the
+    block's own: plain tensors are assigned as parameters and buffers, packed weights replace the
+    parameter of their name."""
     packed = {name: value for name, value in state_dict.items() if isinstance(value, PackedWeight)}
-    plain = {name: value for name, value in state_dict.items() if name not in packed}
-    result = block.load_state_dict(plain, strict=False, assign=True)
-    missing = sorted(set(result.missing_keys) - set(packed))
-    if missing or result.unexpected_keys:
-        raise KeyError(
-            "the checkpoint's tensors do not match the block's: "
-            + "; ".join(
-                part
-                for part in (
-                    f"missing {', '.join(missing)}" if missing else "",
-                    f"unexpected {', '.join(result.unexpected_keys)}" if result.unexpected_keys else "",
-                )
-                if part
-            )
-        )
+    block.load_state_dict(
+        {name: value for name, value in state_dict.items() if name not in packed}, strict=False, assign=True
+    )
     for name, weight in packed.items():
         owner_name, _, attribute = name.rpartition(".")
         owner = block.get_submodule(owner_name)
-        if attribute not in owner._parameters:
-            raise KeyError(f"unexpected {name}: the block has no such parameter")
-        expected = owner._parameters[attribute].shape
-        if weight.shape != expected:
-            raise ValueError(
-                f"{name}: the checkpoint's weight is {tuple(weight.shape)}, the block's {tuple(expected)}"
-            )
         del owner._parameters[attribute]
         owner.add_module(attribute, weight)
         if weight.ndim == 3:

@@ -74,6 +74,8 @@ class NetworkOptions:
         from petals.patches import apply_patches, p2pd_exit_reason, p2pd_started_apart, remove_p2pd_socket
 
         apply_patches()  # before the first byte arrives: the DHT decodes with hivemind's serializer
+        check_identity_file(self.identity_path)
+        refuse_ports_in_use(self.host_maddrs)
         extra = dict(self.extra)
         if extra.pop("check_if_identity_free", True):
             await self.refuse_identity_in_use()
@@ -143,6 +145,53 @@ class NetworkOptions:
 
 class IdentityInUseError(RuntimeError):
     """Another online peer of the swarm has the peer id of this peer's ``--identity_path``."""
+
+
+class IdentityFileError(ValueError):
+    """``--identity_path`` names a file that holds no libp2p private key."""
+
+
+class PortInUseError(OSError):
+    """A fixed port of ``host_maddrs`` is held by another listening socket (another petals peer, say)."""
+
+
+def check_identity_file(identity_path: str | None) -> None:
+    """An existing ``--identity_path`` must hold a private key: p2pd and hivemind would otherwise fail
+    with a protobuf traceback."""
+    if not identity_path or not os.path.isfile(identity_path):
+        return  # a new path: p2pd creates the identity there
+    from hivemind.p2p import PeerID
+
+    try:
+        with open(identity_path, "rb") as file:
+            PeerID.from_identity(file.read())
+    except Exception as error:  # protobuf's DecodeError, a wrong key type, an unreadable file
+        raise IdentityFileError(
+            f"--identity_path {identity_path} holds no libp2p private key ({type(error).__name__}): restore the "
+            "file from a backup, or give a path that does not exist yet (a new identity is created there)"
+        ) from None
+
+
+def refuse_ports_in_use(host_maddrs: Sequence[str]) -> None:
+    """Refuse a fixed TCP port another socket listens on. p2pd binds with SO_REUSEPORT, so a second
+    daemon on a port a first one serves would start too, and the kernel would split new connections
+    between them: clients of the first would reach the second. A probe socket without SO_REUSEPORT
+    cannot bind a port a listening socket holds (SO_REUSEADDR lets it past connections in TIME_WAIT)."""
+    import socket
+
+    for maddr in host_maddrs:
+        parts = maddr.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or parts[3] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((parts[1], int(parts[3])))
+            except OSError as error:
+                raise PortInUseError(
+                    error.errno, f"port {parts[3]} of {maddr} is in use (address already in use)"
+                ) from None
 
 
 class DaemonGone(ConnectionError):

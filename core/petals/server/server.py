@@ -8,6 +8,7 @@ its blocks as JOINING while loading, ONLINE while serving and OFFLINE when it le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -327,10 +328,16 @@ class ServingSpan:
                     self.settings.quant_type,
                 ),
             )
-        backends = []
         hub_kwargs = {"cache_dir": self.settings.cache_dir, "token": self.settings.token}
-        started, loaded_bytes = time.perf_counter(), 0
+        started = time.perf_counter()
         progress = tqdm(total=len(self.blocks), desc="Loading blocks", unit="block", file=sys.stderr)
+        with _cleared_on_failure(progress):
+            backends = self._load_each(checkpoint, progress, hub_kwargs)
+        logger.info("Loaded %d blocks in %.2f s", len(self.blocks), time.perf_counter() - started)
+        return backends
+
+    def _load_each(self, checkpoint, progress: tqdm, hub_kwargs: dict) -> list[BlockBackend]:
+        backends, loaded_bytes = [], 0
         for count, index in enumerate(self.blocks, start=1):
             block = load_block(
                 self.settings.model,
@@ -364,8 +371,6 @@ class ServingSpan:
             loaded_bytes += block_weight_bytes(module)
             progress.set_postfix_str(f"block {index}, {loaded_bytes / 2**20:.1f} MiB", refresh=False)
             progress.update()
-        progress.close()
-        logger.info("Loaded %d blocks in %.2f s", len(self.blocks), time.perf_counter() - started)
         return backends
 
     async def serve_until_moved(self) -> range | None:
@@ -510,3 +515,16 @@ def is_relayed(maddrs) -> bool:
 
 def _bounds(blocks: range) -> tuple[int, int]:
     return blocks.start, blocks.stop
+
+
+@contextlib.contextmanager
+def _cleared_on_failure(progress: tqdm):
+    """Close ``progress`` when its work is done; on a failure clear it instead, so that the error's one
+    line stays the last on screen (a closed bar is drawn once more)."""
+    try:
+        yield progress
+    except BaseException:
+        progress.leave = False
+        progress.close()
+        raise
+    progress.close()
