@@ -4,6 +4,7 @@ plugins that serve a family alone; and the record of which hooks the suite calle
 from __future__ import annotations
 
 import copy
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -312,15 +313,31 @@ def tiny_model_with_tokenizer(tiny_model_path, tmp_path_factory):
     return target
 
 
-def install_in_hf_cache(source: Path, repo_id: str, cache_dir: Path, revision: str = "0" * 40) -> Path:
-    """Lay out ``source``'s files as the Hugging Face hub cache does for ``repo_id`` (no network)."""
+def install_in_hf_cache(
+    source: Path, repo_id: str, cache_dir: Path, revision: str = "0" * 40, as_blobs: bool = False
+) -> Path:
+    """Lay out ``source``'s files as the Hugging Face hub cache does for ``repo_id`` (no network);
+    ``as_blobs``: as the hub client writes them, each file a blob named by its checksum (sha256 for LFS
+    files such as safetensors shards, git's sha1 for the others) and a link to it in the snapshot."""
     repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)
     for file in source.iterdir():
-        (snapshot / file.name).write_bytes(file.read_bytes())
+        data = file.read_bytes()
+        if not as_blobs:
+            (snapshot / file.name).write_bytes(data)
+            continue
+        lfs = file.suffix == ".safetensors"
+        name = (
+            hashlib.sha256(data).hexdigest()
+            if lfs
+            else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        )
+        (repo / "blobs").mkdir(exist_ok=True)
+        (repo / "blobs" / name).write_bytes(data)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / name)
     return snapshot
 
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_cli_errors import run_petals, serve_args
 
+from conftest import install_in_hf_cache
 from petals.loading import load_block
 
 WEIGHTS = "model.safetensors"
@@ -162,6 +163,21 @@ def test_per_layer_rotary_frequencies_of_older_checkpoints_are_accepted(damaged_
     folder = damaged_copy(change_tensors(add_inv_freq))
     block = load_block(folder, 0, torch.float32)
     assert "self_attn.rotary_emb.inv_freq" not in block.state_dict()
+
+
+def test_a_hub_shard_changed_after_its_download_is_refused(tiny_model_path, offline_hf_cache):
+    """A square tensor transposed keeps every shape: only the hub's checksum (a blob's name) tells."""
+    snapshot = install_in_hf_cache(tiny_model_path("llama"), "tiny/llama", offline_hf_cache, as_blobs=True)
+    load = (
+        "import torch; from petals import load_block; load_block('tiny/llama', 0, torch.float32); print('ok')"
+    )
+    loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
+    assert loaded.stdout.strip() == "ok", loaded.stderr
+    tensors = load_file(snapshot / WEIGHTS)
+    tensors[LAYER + "self_attn.q_proj.weight"] = tensors[LAYER + "self_attn.q_proj.weight"].T.contiguous()
+    save_file(tensors, (snapshot / WEIGHTS).resolve(), metadata={"format": "pt"})  # same size, in place
+    result = run_petals(*serve_args("tiny/llama", "--num_blocks", "2"))
+    assert_one_error_line(result, "model.safetensors: its sha256 is not the hub's", "download it again")
 
 
 def test_a_disabled_plugin_is_named_as_disabled(tiny_model_path):

@@ -10,9 +10,12 @@ so a file changed or cut short under a running server changes nothing it serves.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -124,6 +127,7 @@ class Checkpoint:
             path = self.fetch(filename)
             if path is None:
                 raise CheckpointError(f"{self.source}: shard {filename} listed in {SAFE_INDEX} is missing")
+            verify_hub_checksum(path)
             with _opened(path) as file:
                 for key in keys:
                     if self.weight_map[key] == filename:
@@ -132,6 +136,33 @@ class Checkpoint:
 
 
 DAMAGED = "it is damaged or incomplete: download it again (or copy it whole)"
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+_verified: dict[tuple[str, int, int], None] = {}  # hub blobs whose sha256 matched: (path, size, mtime)
+
+
+def verify_hub_checksum(path: Path) -> None:
+    """A file of the Hugging Face cache whose blob is named by its sha256 (the hub's checksum of every
+    LFS file, safetensors shards included) must still hash to that name: a shard changed after its
+    download (a tensor transposed in place keeps every shape) is refused instead of served. Each blob is
+    hashed once per process; files outside the cache carry no checksum to verify."""
+    blob = path.resolve()
+    if blob.parent.name != "blobs" or not _SHA256_NAME.fullmatch(blob.name):
+        return
+    stat = blob.stat()
+    key = (str(blob), stat.st_size, stat.st_mtime_ns)
+    if key in _verified:
+        return
+    started, digest = time.perf_counter(), hashlib.sha256()
+    with open(blob, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() != blob.name:
+        raise CheckpointError(
+            f"{path}: its sha256 is not the hub's ({blob.name[:12]}...): the file changed after its download; "
+            "download it again (huggingface-cli download --force-download)"
+        )
+    _verified[key] = None
+    logger.debug("sha256 of %s verified in %.2f s", path, time.perf_counter() - started)
 
 
 @contextlib.contextmanager
