@@ -25,6 +25,7 @@ LAZY_COMMANDS = {
     "chat": "petals.cli.chat:chat_command",
     "swarm": "petals.cli.swarm:swarm_command",
     "simulate": "petals.cli.simulate:simulate_command",
+    "plan": "petals.cli.plan:plan_command",
     "tune": "petals.cli.tune:tune_command",
 }
 

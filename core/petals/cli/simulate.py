@@ -10,12 +10,17 @@ from pathlib import Path
 
 import click
 
-from petals.cli.errors import PetalsCliError
+from petals.cli.errors import PetalsCliError, PetalsCommand
 
 
-@click.command("simulate")
+@click.command("simulate", cls=PetalsCommand)
 @click.option("--servers", type=click.IntRange(min=1), help="Servers in the swarm (default 1000).")
 @click.option("--blocks", type=click.IntRange(min=1), help="Transformer blocks of the model (default 80).")
+@click.option(
+    "--model",
+    help="Plan the blocks and each GPU kind's max_blocks and cache_sessions for this model (a folder or hub "
+    "id; its config.json only) from the kind's memory_gib, as `petals serve` and `petals plan` do.",
+)
 @click.option("--hours", type=click.FloatRange(min=0, min_open=True), help="Simulated hours (default 24).")
 @click.option("--seed", type=int, help="Seed of the trace and the policies (default 0).")
 @click.option(
@@ -46,6 +51,7 @@ from petals.cli.errors import PetalsCliError
 def simulate_command(
     servers: int | None,
     blocks: int | None,
+    model: str | None,
     hours: float | None,
     seed: int | None,
     churn: float | None,
@@ -56,13 +62,26 @@ def simulate_command(
     plot_path: str | None,
 ) -> None:
     """Simulate a swarm and compare placement and routing policies (no networking)."""
-    from petals.simulate import POLICIES, Scenario, load_scenario, run_policy, summary_lines, with_comparison
+    from petals.simulate import (
+        POLICIES,
+        Scenario,
+        load_scenario,
+        run_policy,
+        summary_lines,
+        with_comparison,
+        with_model_capacities,
+    )
 
-    overrides = dict(servers=servers, blocks=blocks, hours=hours, seed=seed, churn=churn, clients=clients)
+    if model is not None and blocks is not None:
+        raise click.UsageError("--model gives the number of blocks (its config's): leave out --blocks")
+    overrides = dict(
+        servers=servers, blocks=blocks, hours=hours, seed=seed, churn=churn, clients=clients, model=model
+    )
     try:
         scenario = (
             load_scenario(scenario_path, **overrides) if scenario_path else Scenario().replace(**overrides)
         )
+        scenario = with_model_capacities(scenario)  # once here, not in each policy's process
     except (ValueError, TypeError) as error:
         raise PetalsCliError(str(error)) from None
     if plot_path and importlib.util.find_spec("matplotlib") is None:  # before the simulation, not after it

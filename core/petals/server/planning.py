@@ -5,6 +5,10 @@ defaults) into the ones a ``Server`` runs with. Each rule is a function of its o
 read and tested alone: ``choose_device``, ``choose_dtype``, ``choose_quant_type``,
 ``default_limits`` and ``plan_num_blocks`` (weights after quantization + exact KV cache + adapters,
 against the device's memory).
+
+``plan_blocks`` is that memory plan alone, from a config and a memory size (a ``BlockPlan``): ``petals
+serve`` plans its block count with it, ``petals plan`` prints it for a GPU, ``petals simulate --model``
+sizes its GPU kinds with it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
@@ -30,6 +35,9 @@ from petals.server.settings import (
     ServerSettings,
     SettingError,
 )
+
+if TYPE_CHECKING:
+    from petals.kv_cache import CacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -245,18 +253,23 @@ def check_block_indices(blocks: range, total: int, closed: frozenset[int]) -> No
 def longest_placeable(num_blocks: int, total: int, closed: frozenset[int]) -> int:
     """The most blocks, up to the ``num_blocks`` that fit in memory, that a span can hold without splitting
     blocks that share keys and values (the planned count itself for nearly every model)."""
-    fitting = [length for length in span_lengths(total, closed) if length <= num_blocks]
-    if not fitting:
+    longest = longest_span(num_blocks, total, closed)
+    if not longest:
         raise SettingError("num_blocks", no_span_fits(total, num_blocks, closed))
-    if fitting[-1] < num_blocks:
+    if longest < num_blocks:
         logger.info(
             "Serving %d blocks, not %d: no span of %d can be placed without splitting blocks that share "
             "keys and values",
-            fitting[-1],
+            longest,
             num_blocks,
             num_blocks,
         )
-    return fitting[-1]
+    return longest
+
+
+def longest_span(num_blocks: int, total: int, closed: frozenset[int]) -> int:
+    """The longest span of at most ``num_blocks`` blocks that begins and ends at open boundaries (0: none)."""
+    return max((length for length in span_lengths(total, closed) if length <= num_blocks), default=0)
 
 
 def device_memory_bytes(device: torch.device | str) -> int:
@@ -286,50 +299,154 @@ def plan_num_blocks(
     memory_bytes: int | None = None,
     stored: StoredWeights | None = None,
 ) -> tuple[int, str]:
-    """How many blocks fit in device memory, and the arithmetic behind it (also logged).
+    """How many blocks fit in device memory, and the arithmetic behind it (also logged): ``plan_blocks``
+    for this machine, failing when not even one block fits.
 
-    Per block: weights after quantization + a KV cache of ``attn_cache_tokens`` tokens (exact
-    key/value heads, so grouped-query attention counts; a linear-attention block's states for as many
-    sequences as its kind keeps for that budget) + LoRA adapters. Reserved once: 2 GiB per
-    device for autograd, scaled by hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
-    With tensor parallelism the devices' memories add up (counted as ``n * min``).
-    ``memory_bytes`` overrides the measured total. Each block counts its own cache (blocks of different
-    kinds differ): the plan is the longest span of consecutive blocks that fits wherever it starts.
-    ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose. ``stored``: a
-    quantized checkpoint served packed (its matrices count in their stored bytes).
+    ``quant_type`` and ``attn_cache_tokens`` left ``None`` are what a server would choose. With tensor
+    parallelism the devices' memories add up (counted as ``n * min``); ``memory_bytes`` overrides the
+    measured total. ``stored``: a quantized checkpoint served packed (its matrices count in their stored
+    bytes).
+    """
+    devices = tuple(torch.device(d) for d in tensor_parallel_devices) or (torch.device(device),)
+    if memory_bytes is None:
+        memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
+    plan = plan_blocks(
+        config,
+        dtype,
+        choose_quant_type(quant_type, devices[0], tensor_parallel_devices),
+        attn_cache_tokens or default_limits(config).attn_cache_tokens,
+        memory_bytes,
+        devices=devices,
+        adapter_bytes=adapter_bytes_per_block(config, adapter_files),
+        stored=stored,
+    )
+    logger.info("Memory plan: %s", plan.explanation)
+    if plan.num_blocks < 1:
+        raise ValueError(
+            f"not even one block fits: {plan.explanation}. Use --quant_type nf4, fewer --attn_cache_tokens, "
+            "or set --num_blocks explicitly"
+        )
+    return plan.num_blocks, plan.explanation
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """What a device holds of a model: each block's weights and cache, and how many consecutive blocks fit.
+
+    ``plan_blocks`` builds it from the config alone; ``petals serve`` (``plan_num_blocks``), ``petals plan``
+    and ``petals simulate --model`` all read their numbers from it, so what they say agrees by construction.
+    """
+
+    weight_bytes: tuple[int, ...]  # each block's weights as held: quantized, packed as stored, or in dtype
+    cache_specs: tuple[CacheSpec, ...]  # each block's cache kind and sizes
+    dtype: torch.dtype  # of the cache, and of the weights that are neither quantized nor packed
+    attn_cache_tokens: int  # the cache each block reserves, in tokens of its own kind
+    memory_bytes: int  # of all devices together
+    autograd_bytes: int  # reserved once, for backward passes
+    adapter_bytes: int = 0  # LoRA weights per block
+    devices: tuple[torch.device, ...] = (torch.device("cuda"),)
+    weights_kind: str = ""  # how weights are held, as the explanation names it ("nf4, bfloat16")
+
+    @property
+    def cache_bytes_per_token(self) -> tuple[int, ...]:
+        """Each block's cache bytes per token of one sequence (0 for a block of fixed-size states)."""
+        return tuple(spec.bytes_per_token(self.dtype) for spec in self.cache_specs)
+
+    @property
+    def cache_bytes(self) -> tuple[int, ...]:
+        """Each block's cache for ``attn_cache_tokens`` tokens, as a server reserves it."""
+        return tuple(spec.budget_bytes(self.attn_cache_tokens, self.dtype) for spec in self.cache_specs)
+
+    @property
+    def num_blocks(self) -> int:
+        """The most consecutive blocks whose weights, caches and adapters fit beside the autograd
+        reserve, wherever they start (0: not even one)."""
+        costs = [
+            weight + cache + self.adapter_bytes
+            for weight, cache in zip(self.weight_bytes, self.cache_bytes, strict=True)
+        ]
+        return most_consecutive_blocks(costs, self.memory_bytes - self.autograd_bytes)
+
+    @property
+    def servable_blocks(self) -> int:
+        """What a server hosts: ``num_blocks``, less where no span that long can be placed without
+        splitting blocks that share keys and values (``longest_placeable``); 0 when none fits."""
+        return longest_span(self.num_blocks, len(self.weight_bytes), self._closed)
+
+    @property
+    def servers_per_copy(self) -> int | None:
+        """How many such servers hold every block once (None: not even one block fits)."""
+        total, length, closed = len(self.weight_bytes), self.servable_blocks, self._closed
+        count, start = 0, 0
+        while start < total:
+            stop = min(start + length, total)
+            while stop > start and stop in closed:
+                stop -= 1
+            if stop == start:
+                return None
+            count, start = count + 1, stop
+        return count
+
+    @property
+    def _closed(self) -> frozenset[int]:
+        from petals.kv_cache import closed_boundaries
+
+        return closed_boundaries(self.cache_specs)
+
+    @property
+    def explanation(self) -> str:
+        """The arithmetic behind ``num_blocks``, in one line (a server logs it)."""
+        return (
+            f"{self.num_blocks} blocks = the most consecutive of the model's {len(self.weight_bytes)} that fit "
+            f"in {_gib(self.memory_bytes)} memory on {', '.join(map(str, self.devices))} - "
+            f"{_gib(self.autograd_bytes)} autograd reserve; per block: {_gib_range(self.weight_bytes)} weights "
+            f"({self.weights_kind}) + {_gib_range(self.cache_bytes)} KV cache for {self.attn_cache_tokens} "
+            f"tokens + {_gib(self.adapter_bytes)} adapters"
+        )
+
+    def holding(self, attn_cache_tokens: int) -> BlockPlan:
+        """The same weights and memory with a cache of ``attn_cache_tokens`` tokens per block (a server
+        started with ``--attn_cache_tokens``)."""
+        return dataclasses.replace(self, attn_cache_tokens=attn_cache_tokens)
+
+
+def plan_blocks(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    quant_type: str,
+    attn_cache_tokens: int,
+    memory_bytes: int,
+    *,
+    devices: Sequence[torch.device] = (torch.device("cuda"),),
+    adapter_bytes: int = 0,
+    stored: StoredWeights | None = None,
+) -> BlockPlan:
+    """The plan for ``memory_bytes`` of ``devices``, from the config alone (built on the meta device).
+
+    Per block: its own weights (dense or experts, by index) after ``quant_type``, else in their stored
+    bytes when ``stored`` (a quantized checkpoint served packed), else in ``dtype``; a KV cache of
+    ``attn_cache_tokens`` tokens of its own kind (exact key/value heads, so grouped-query and latent
+    attention count; a block of linear-attention states keeps as many sequences as its kind keeps for
+    that budget); ``adapter_bytes`` of LoRA. Reserved once: 2 GiB per device for autograd, scaled by
+    hidden size as in Petals (``2 GiB * devices / 14336 * hidden``).
     """
     from petals.block import cache_spec
     from petals.convert import estimate_block_weight_bytes
 
-    devices = [torch.device(d) for d in tensor_parallel_devices] or [torch.device(device)]
-    quant_type = choose_quant_type(quant_type, devices[0], tensor_parallel_devices)
-    attn_cache_tokens = attn_cache_tokens or default_limits(config).attn_cache_tokens
-    if memory_bytes is None:
-        memory_bytes = len(devices) * min(device_memory_bytes(d) for d in devices)
-    # each block's own weights (dense or experts by index) and cache: a pool of attn_cache_tokens tokens
-    # of its kind (a block of states keeps less)
     blocks = range(config.num_hidden_layers)
-    weights = [estimate_block_weight_bytes(config, dtype, quant_type, index, stored) for index in blocks]
-    caches = [cache_spec(config, index).budget_bytes(attn_cache_tokens, dtype) for index in blocks]
-    adapters = adapter_bytes_per_block(config, adapter_files)
-    autograd = int(2 * GiB * len(devices) / 14336 * config.hidden_size)
-    num_blocks = most_consecutive_blocks(
-        [weight + cache + adapters for weight, cache in zip(weights, caches, strict=True)],
-        memory_bytes - autograd,
+    return BlockPlan(
+        weight_bytes=tuple(
+            estimate_block_weight_bytes(config, dtype, quant_type, index, stored) for index in blocks
+        ),
+        cache_specs=tuple(cache_spec(config, index) for index in blocks),
+        dtype=dtype,
+        attn_cache_tokens=attn_cache_tokens,
+        memory_bytes=memory_bytes,
+        autograd_bytes=int(2 * GiB * len(devices) / 14336 * config.hidden_size),
+        adapter_bytes=adapter_bytes,
+        devices=tuple(devices),
+        weights_kind=_weights_kind(quant_type, dtype, stored),
     )
-    explanation = (
-        f"{num_blocks} blocks = the most consecutive of the model's {config.num_hidden_layers} that fit in "
-        f"{_gib(memory_bytes)} memory on {', '.join(map(str, devices))} - {_gib(autograd)} autograd reserve; "
-        f"per block: {_gib_range(weights)} weights ({_weights_kind(quant_type, dtype, stored)}) "
-        f"+ {_gib_range(caches)} KV cache for {attn_cache_tokens} tokens + {_gib(adapters)} adapters"
-    )
-    logger.info("Memory plan: %s", explanation)
-    if num_blocks < 1:
-        raise ValueError(
-            f"not even one block fits: {explanation}. Use --quant_type nf4, fewer --attn_cache_tokens, "
-            "or set --num_blocks explicitly"
-        )
-    return num_blocks, explanation
 
 
 def _weights_kind(quant_type: str, dtype: torch.dtype, stored: StoredWeights | None) -> str:

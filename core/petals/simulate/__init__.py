@@ -5,6 +5,9 @@ rebalancing and routing policies (``petals.policies``) over a scenario, without 
 writes (``coverage``, ``throughput``, ``throughput_bound``, ``latency_p50``, ``latency_p95``,
 ``moves_per_server_hour``, ``routing_ms_p95``, and the series over time).
 
+A scenario naming a ``model`` has its GPU kinds' capacities planned for that model from their memory
+(``with_model_capacities``: the plan ``petals serve`` and ``petals plan`` use) before it runs.
+
 ``settle(scenario)`` runs a scenario's listed servers (``server_list``) without clients and says where
 they ended up, the route a client of ``client_region`` takes and its per-token latency: what a real
 swarm of the same servers should show (``tests/test_simulate_reality.py`` checks that it does).
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from petals.policies import PLACEMENTS, ROUTINGS
+from petals.simulate.capacity import with_model_capacities
 from petals.simulate.scenario import GpuKind, Region, Scenario, ServerSpec, load_scenario, scenario_path
 from petals.simulate.swarm import Metrics, SimulatedSwarm, throughput_bound
 
@@ -39,6 +43,7 @@ __all__ = [
     "settle",
     "simulate",
     "throughput_bound",
+    "with_model_capacities",
 ]
 
 
@@ -46,6 +51,7 @@ def run_policy(scenario: Scenario, policy: str) -> dict:
     """Simulate ``scenario`` with one policy set; the metrics as a JSON-ready dict."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    scenario = with_model_capacities(scenario)
     options = scenario.policy_options.get(policy, {})
     placement = PLACEMENTS[policy](**options.get("placement", {}))
     routing = ROUTINGS[policy](**options.get("routing", {}))
@@ -70,6 +76,7 @@ def settle(scenario: Scenario, policy: str = "ours", draws: int = 32) -> Settled
     clients, no churn), then route ``draws`` new sessions from ``client_region``."""
     if not scenario.server_list or scenario.client_region is None or scenario.churn != 0:
         raise ValueError("settle needs a scenario with a server_list, a client_region and churn 0")
+    scenario = with_model_capacities(scenario)
     options = scenario.policy_options.get(policy, {})
     swarm = SimulatedSwarm(
         scenario.replace(clients=0, warmup_hours=0),

@@ -6,6 +6,9 @@ round trips), how servers come and go (churn, crashes) and what clients do (infe
 A scenario may list its servers (``server_list``: each one's GPU kind and region, in join order)
 instead of drawing ``servers`` of them from the shares; ``client_region`` puts every client in one
 region. ``scenarios/*.yml`` next to this module are ready-made scenarios (``scenario_path(name)``).
+
+A GPU kind's capacities (``max_blocks``, ``cache_sessions``) are typed, or, for a scenario that names its
+``model``, planned from the kind's ``memory_gib`` (``petals.simulate.capacity``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,28 @@ import yaml
 from petals.policies.routing import HOP_OVERHEAD
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuKind:
-    """A kind of server: its share of the swarm and what it does for one block of the model."""
+    """A kind of server: its share of the swarm and what it does for one block of the model.
+
+    Its capacities are typed by hand (``max_blocks``, ``cache_sessions``), or planned for the scenario's
+    ``model`` from ``memory_gib`` by the plan ``petals serve`` chooses its blocks with
+    (``petals.simulate.capacity``); with a model, a kind that gives its memory is planned.
+    """
 
     name: str
     share: float
-    max_blocks: int  # blocks its memory holds
     forward_rps: float  # tokens per second through one block, in batches (prefill)
     inference_rps: float  # single-token steps per second through one block
-    cache_sessions: int  # sessions of ``session_tokens_max`` tokens its KV cache holds
+    max_blocks: int | None = None  # blocks its memory holds
+    cache_sessions: int | None = None  # sessions of ``session_tokens_max`` tokens its KV cache holds
+    memory_gib: float | None = None  # its GPU's memory, to plan the two above from for ``model``
+    planned_for: str | None = None  # the model the two above were planned for (None: typed)
+
+    @property
+    def sized(self) -> bool:
+        """Whether its capacities are known (typed, or planned already)."""
+        return self.max_blocks is not None and self.cache_sessions is not None
 
 
 @dataclass(frozen=True)
@@ -46,12 +61,24 @@ class ServerSpec:
     region: str
 
 
-DEFAULT_GPUS = (
-    GpuKind("a100-80gb", 0.10, 40, 4000.0, 700.0, 8),
-    GpuKind("a6000-48gb", 0.15, 24, 2500.0, 450.0, 6),
-    GpuKind("rtx4090-24gb", 0.30, 12, 2000.0, 500.0, 4),
-    GpuKind("rtx3090-24gb", 0.25, 12, 1200.0, 350.0, 4),
-    GpuKind("t4-16gb", 0.20, 6, 300.0, 120.0, 2),
+# capacities typed for the default 80-block model (a 70B Llama); with a model, planned from memory_gib
+DEFAULT_GPUS = tuple(
+    GpuKind(
+        name=name,
+        share=share,
+        max_blocks=max_blocks,
+        forward_rps=forward_rps,
+        inference_rps=inference_rps,
+        cache_sessions=cache_sessions,
+        memory_gib=memory_gib,
+    )
+    for name, share, max_blocks, forward_rps, inference_rps, cache_sessions, memory_gib in (
+        ("a100-80gb", 0.10, 40, 4000.0, 700.0, 8, 80),
+        ("a6000-48gb", 0.15, 24, 2500.0, 450.0, 6, 48),
+        ("rtx4090-24gb", 0.30, 12, 2000.0, 500.0, 4, 24),
+        ("rtx3090-24gb", 0.25, 12, 1200.0, 350.0, 4, 24),
+        ("t4-16gb", 0.20, 6, 300.0, 120.0, 2, 16),
+    )
 )
 DEFAULT_REGIONS = (
     Region("us-east", 0.30, 0.30),
@@ -100,6 +127,7 @@ class Scenario:
     policy_options: dict = field(default_factory=dict)
     server_list: tuple[ServerSpec, ...] = ()  # servers joining in this order; ``servers`` is its length
     client_region: str | None = None  # every client's region (None: drawn from the client shares)
+    model: str | None = None  # plan ``blocks`` and the capacities of the GPU kinds with memory_gib for it
 
     def __post_init__(self) -> None:
         problems = []
@@ -124,10 +152,23 @@ class Scenario:
             )
         if not self.gpus or sum(gpu.share for gpu in self.gpus) <= 0:
             problems.append("gpus must list at least one kind with a positive share")
+        problems += [
+            self._unsized(gpu)
+            for gpu in self.gpus
+            if not gpu.sized and (gpu.memory_gib is None or self.model is None)
+        ]
         if not 1 <= self.session_tokens_min <= self.session_tokens_max:
             problems.append("need 1 <= session_tokens_min <= session_tokens_max")
         if problems:
             raise ValueError("invalid scenario: " + "; ".join(problems))
+
+    def _unsized(self, gpu: GpuKind) -> str:
+        if gpu.memory_gib is None:
+            return (
+                f"gpu kind {gpu.name!r} needs max_blocks and cache_sessions, or memory_gib to plan them "
+                "for a model (--model)"
+            )
+        return f"gpu kind {gpu.name!r} gives memory_gib only: name a model (--model) to plan its capacities"
 
     @property
     def server_kinds(self) -> list[tuple[int, int]]:
@@ -165,7 +206,8 @@ def load_scenario(path: str | Path, **overrides) -> Scenario:
         data["server_list"] = tuple(ServerSpec(**spec) for spec in data["server_list"])
         if overrides.get("servers") is not None:
             raise ValueError(f"{path}: lists its servers (server_list); leave out the number of servers")
-    return Scenario(**data).replace(**overrides)
+    # overrides join before the checks: a --model plans kinds that give only their memory
+    return Scenario(**{**data, **{key: value for key, value in overrides.items() if value is not None}})
 
 
 def scenario_path(name: str) -> Path:
