@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_checkpoint_formats import MAX_RELATIVE_ERROR, QUANTIZED_LINEAR, save_by_layer
-from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, Qwen3MoeConfig
 
 import petals
 from conftest import LOOPBACK_CLIENT, petals_health, save_random_model, tiny_config
@@ -49,6 +49,19 @@ GPT_OSS = GptOssConfig(
     num_experts_per_tok=2,
     sliding_window=6,
     layer_types=["sliding_attention", "full_attention"] * 2,
+)
+QWEN3_MOE = Qwen3MoeConfig(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[0],
 )
 FP4_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -172,9 +185,13 @@ def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
     return name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.ndim == 2
 
 
-def save_int4_checkpoint(path: Path, method: str, bits: int = 4, desc_act: bool = False, sym: bool = True):
-    """A tiny Llama quantized with GPTQ or AWQ (group size 32) → (checkpoint, float32 reference)."""
-    source = save_random_model(tiny_config("llama"), path / "source")
+def save_int4_checkpoint(
+    path: Path, method: str, bits: int = 4, desc_act: bool = False, sym: bool = True, config=None
+):
+    """A tiny Llama (or ``config``'s model) quantized with GPTQ or AWQ (group size 32) → (checkpoint,
+    float32 reference). An MoE's experts are quantized one linear each, as the checkpoint stores them
+    (``experts.N.gate_proj``, ...): transformers' conversion fuses them into 3-D experts at load."""
+    source = save_random_model(config or tiny_config("llama"), path / "source")
     group_size = 32
     generator = torch.Generator().manual_seed(1)
     stored, dequantized = {}, {}
@@ -229,6 +246,8 @@ LAYOUTS = {  # name: what builds it
     "gptq-4bit-act-order-asym": lambda path: save_int4_checkpoint(path, "gptq", desc_act=True, sym=False),
     "gptq-8bit": lambda path: save_int4_checkpoint(path, "gptq", bits=8),
     "awq-gemm": lambda path: save_int4_checkpoint(path, "awq"),
+    # an MoE whose checkpoint stores every expert as linears of its own
+    "gptq-4bit-qwen3-moe": lambda path: save_int4_checkpoint(path, "gptq", config=QWEN3_MOE),
 }
 
 
@@ -379,7 +398,9 @@ def test_transformers_reads_the_mxfp4_checkpoint_as_petals_does(checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["mxfp4-gpt-oss", "gptq-4bit-act-order-asym", "awq-gemm"])
+@pytest.mark.parametrize(
+    "layout", ["mxfp4-gpt-oss", "gptq-4bit-act-order-asym", "awq-gemm", "gptq-4bit-qwen3-moe"]
+)
 def test_greedy_tokens_through_two_servers_equal_transformers(checkpoint, layout):
     quantized, reference = checkpoint(layout)
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(7))
