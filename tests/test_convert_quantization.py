@@ -12,10 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import LlamaFamilyPlugin, serving_only, tiny_config
+from benchmarks import tiny_families
+from conftest import LlamaFamilyPlugin, save_random_model, serving_only, tiny_config
 from petals import hookimpl
 from petals.block import allocate_cache
 from petals.convert import block_weight_bytes, estimate_block_weight_bytes, quantize_block
+from petals.convert.memory import is_router
 from petals.loading import load_block
 
 MAX_RELATIVE_ERROR = {"int8": 0.03, "nf4": 0.25}
@@ -79,6 +81,48 @@ def test_weight_estimate_used_for_planning_matches_measurement(wide_block, varia
     assert estimate_block_weight_bytes(block.config, torch.float32, quant_type) == pytest.approx(
         measured, rel=0.03
     )
+
+
+def kept_exact(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routers and convolutions of ``block``: what quantization leaves as it is."""
+    return {
+        name: module
+        for name, module in block.named_modules()
+        if is_router(module) or isinstance(module, torch.nn.modules.conv._ConvNd)
+    }
+
+
+@pytest.mark.parametrize("quant_type", ["int8", "nf4"])
+@pytest.mark.parametrize(
+    "model_type",
+    # routers that are linears with a forward of their own; convolutions of Mamba, LFM2, gated delta nets
+    ["llama4_text", "phimoe", "falcon_h1", "lfm2", "qwen3_next"],
+)
+def test_routers_and_convolutions_stay_as_they_are_and_every_block_runs(tmp_path, model_type, quant_type):
+    path = save_random_model(tiny_families.tiny_config(model_type), tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny blocks: OpenMP's threads would only wait for each other
+    kept_in_some_block = False
+    try:
+        for index in range(4):  # dense and MoE blocks, convolution and attention blocks
+            reference = load_block(path, index, torch.float32)
+            quantized = quantize_block(copy.deepcopy(reference), quant_type)
+            assert kept_exact(reference).keys() == kept_exact(quantized).keys()
+            kept_in_some_block |= bool(kept_exact(reference))
+            for name, module in kept_exact(reference).items():
+                kept = quantized.get_submodule(name)
+                assert type(kept) is type(module) and all(
+                    torch.equal(kept.state_dict()[key], value) for key, value in module.state_dict().items()
+                ), name
+            hidden = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(index))
+            with torch.no_grad():
+                expected, got = reference(hidden), quantized(hidden)
+            error = ((got - expected).norm() / (expected - hidden).norm()).item()
+            # tiny (hidden 64) blocks: nf4's error is larger than on the wide ones above (up to 0.38)
+            assert error <= (MAX_RELATIVE_ERROR["int8"] if quant_type == "int8" else 0.5), (index, error)
+    finally:
+        torch.set_num_threads(threads)
+    assert kept_in_some_block
 
 
 class KeepAttentionInFullPrecision(LlamaFamilyPlugin):

@@ -38,17 +38,40 @@ def block_weight_bytes(block: nn.Module) -> int:
     return total
 
 
+def is_router(module: nn.Module) -> bool:
+    """An MoE router (transformers' ``*Router`` classes): small, and kept exact, as transformers keeps
+    several families' in float32. Some are ``nn.Linear`` subclasses whose forward also routes (Llama 4's,
+    PhiMoE's), which a quantized linear put in their place would not do."""
+    return type(module).__name__.endswith("Router")
+
+
+def is_experts(module: nn.Module, parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` of ``module`` is a fused 3-D expert weight ``[experts, ...]``: a
+    convolution's kernel (``[channels, 1, width]``, Mamba's, LFM2's, gated delta nets') is 3-D too, but
+    no stack of matrices."""
+    return (
+        parameter.ndim == 3
+        and parameter.is_floating_point()
+        and not isinstance(module, nn.modules.conv._ConvNd)
+    )
+
+
 def weight_matrices(block: nn.Module) -> Iterator[tuple[str, nn.Parameter, bool]]:
     """``(name, weight, is_experts)`` of each weight matrix that quantization and packed formats act on:
-    the weights of ``nn.Linear`` modules and 3-D expert weights. Routers, norms, biases and convolutions
-    are not among them."""
-    for module_name, module in block.named_modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            full_name = f"{module_name}.{name}" if module_name else name
-            if parameter.ndim == 3 and parameter.is_floating_point():
-                yield full_name, parameter, True
-            elif isinstance(module, nn.Linear) and name == "weight":
-                yield full_name, parameter, False
+    the weights of ``nn.Linear`` modules and 3-D expert weights (``is_experts``). Routers (``is_router``),
+    norms, biases and convolutions are not among them."""
+    yield from _weight_matrices(block, "")
+
+
+def _weight_matrices(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    for name, parameter in module.named_parameters(recurse=False):
+        if is_experts(module, parameter):
+            yield prefix + name, parameter, True
+        elif isinstance(module, nn.Linear) and name == "weight":
+            yield prefix + name, parameter, False
+    for name, child in module.named_children():
+        if not is_router(child):
+            yield from _weight_matrices(child, f"{prefix}{name}.")
 
 
 def estimate_block_weight_bytes(

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from petals.convert.memory import is_experts, is_router
 from petals.formats.packed import PackedWeight, routed_one_by_one
 from petals.plugins import get_plugin_manager
 
@@ -91,14 +92,15 @@ def _replace_modules(
     quantize_experts: Callable[[torch.Tensor], PackedWeight],
 ) -> None:
     """Quantize ``module``'s own 3-D weights (fused experts), then each child: a linear, what the family's
-    hook answers for it (a module it returns is kept as it is), or its own weights and children."""
+    hook answers for it (a module it returns is kept as it is), or its own weights and children. Routers
+    stay as they are (``petals.convert.memory.weight_matrices`` says what is quantized)."""
     for name, parameter in list(module.named_parameters(recurse=False)):
-        if parameter.ndim == 3 and parameter.is_floating_point():
+        if is_experts(module, parameter):
             del module._parameters[name]
             module.add_module(name, quantize_experts(parameter.data))
             routed_one_by_one(module)
     for name, child in list(module.named_children()):
-        if isinstance(child, PackedWeight):
+        if isinstance(child, PackedWeight) or is_router(child):
             continue
         replacement = quantize_linear(child) if isinstance(child, nn.Linear) else offer(module=child)
         if replacement is not None:
