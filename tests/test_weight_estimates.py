@@ -42,6 +42,7 @@ ROUTERS = {
     "block_sparse_moe.router.weight",
     "feed_forward.router.weight",
     "router.proj.weight",
+    "self_attn.indexer.weights_proj.weight",  # GLM-5's: transformers keeps it in float32, unquantized
 }
 # ... and what is no matrix: convolution kernels (Mamba, LFM2, gated delta nets, Kimi's short
 # convolutions), gpt-oss's expert biases, score-correction biases, Kimi's per-head decay

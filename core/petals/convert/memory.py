@@ -5,7 +5,7 @@ How many blocks fit on a device is decided by ``petals.server.planning.plan_num_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -56,22 +56,35 @@ def is_experts(module: nn.Module, parameter: torch.Tensor) -> bool:
     )
 
 
+def kept_exact(block: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Which submodules (by path in the block) quantization leaves as they are: routers (``is_router``)
+    and what transformers keeps in float32 for the block's model (``_keep_in_fp32_modules``, such as
+    GLM-5's indexer ``weights_proj``, whose input the layer casts to that weight's dtype), which
+    transformers' own bitsandbytes integration does not convert either."""
+    from petals.loading import kept_in_float32
+
+    kept = kept_in_float32(type(block), torch.float16)
+    return lambda path, module: is_router(module) or (kept is not None and kept.search(path) is not None)
+
+
 def weight_matrices(block: nn.Module) -> Iterator[tuple[str, nn.Parameter, bool]]:
     """``(name, weight, is_experts)`` of each weight matrix that quantization and packed formats act on:
-    the weights of ``nn.Linear`` modules and 3-D expert weights (``is_experts``). Routers (``is_router``),
-    norms, biases and convolutions are not among them."""
-    yield from _weight_matrices(block, "")
+    the weights of ``nn.Linear`` modules and 3-D expert weights (``is_experts``), outside the modules
+    ``kept_exact`` names. Norms, biases and convolutions are not among them."""
+    yield from _weight_matrices(block, "", kept_exact(block))
 
 
-def _weight_matrices(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter, bool]]:
+def _weight_matrices(
+    module: nn.Module, prefix: str, kept: Callable[[str, nn.Module], bool]
+) -> Iterator[tuple[str, nn.Parameter, bool]]:
     for name, parameter in module.named_parameters(recurse=False):
         if is_experts(module, parameter):
             yield prefix + name, parameter, True
         elif isinstance(module, nn.Linear) and name == "weight":
             yield prefix + name, parameter, False
     for name, child in module.named_children():
-        if not is_router(child):
-            yield from _weight_matrices(child, f"{prefix}{name}.")
+        if not kept(prefix + name, child):
+            yield from _weight_matrices(child, f"{prefix}{name}.", kept)
 
 
 def estimate_block_weight_bytes(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from petals.convert.memory import is_experts, is_router
+from petals.convert.memory import is_experts, kept_exact
 from petals.formats.packed import PackedWeight, routed_one_by_one
 from petals.plugins import get_plugin_manager
 
@@ -81,32 +81,34 @@ def quantize_block(
             dtype=compute_dtype,
             device=torch.device(device),
         )
-        _replace_modules(block, offer, quantize_linear, quantize_experts)
+        _replace_modules(block, "", kept_exact(block), offer, quantize_linear, quantize_experts)
     return block.to(device)
 
 
 def _replace_modules(
     module: nn.Module,
+    prefix: str,
+    kept: Callable[[str, nn.Module], bool],  # petals.convert.memory.kept_exact: routers, float32 modules
     offer: Callable[..., nn.Module | None],  # the family's quantize_module hook, called with module=
     quantize_linear: Callable[[nn.Linear], nn.Module],
     quantize_experts: Callable[[torch.Tensor], PackedWeight],
 ) -> None:
-    """Quantize ``module``'s own 3-D weights (fused experts), then each child: a linear, what the family's
-    hook answers for it (a module it returns is kept as it is), or its own weights and children. Routers
-    stay as they are (``petals.convert.memory.weight_matrices`` says what is quantized)."""
+    """Quantize ``module``'s own 3-D weights (fused experts), then each child not ``kept``: a linear, what
+    the family's hook answers for it (a module it returns is kept as it is), or its own weights and
+    children (``petals.convert.memory.weight_matrices`` names the same matrices)."""
     for name, parameter in list(module.named_parameters(recurse=False)):
         if is_experts(module, parameter):
             del module._parameters[name]
             module.add_module(name, quantize_experts(parameter.data))
             routed_one_by_one(module)
     for name, child in list(module.named_children()):
-        if isinstance(child, PackedWeight) or is_router(child):
+        if isinstance(child, PackedWeight) or kept(prefix + name, child):
             continue
         replacement = quantize_linear(child) if isinstance(child, nn.Linear) else offer(module=child)
         if replacement is not None:
             setattr(module, name, replacement)
         else:
-            _replace_modules(child, offer, quantize_linear, quantize_experts)
+            _replace_modules(child, f"{prefix}{name}.", kept, offer, quantize_linear, quantize_experts)
 
 
 class Nf4Experts(PackedWeight):
