@@ -15,10 +15,16 @@ Static activation scales (``input_scale``, ``activation_scale``) are dropped: ac
 serving dtype, as with transformers' dequantized load. transformers 5.24 drops the AutoFP8 scales and
 reads those weights unscaled (``reference/packed-weights.md``); here they are read. A float8 weight
 without a scale is refused, never read as if unscaled.
+
+Dequantizing (the same function at load and per forward) computes ``codes * scale`` in float32 and rounds
+once to the serving dtype. The codes are decoded from their bits (integer shifts into a float32's
+fields, the power of two that is missing folded into the scale), a band of rows at a time: on CPU this is
+4-6x faster than torch's float8 cast and gives the same bits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +37,8 @@ from petals.formats.packed import PackedWeight
 DEFAULT_BLOCK = (128, 128)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 ACTIVATION_SCALES = ("input_scale", "activation_scale", "output_scale")
-ROWS_PER_BAND = 256  # rows dequantized at a time: float32 temporaries of a band, not of the whole weight
+BAND_ELEMENTS = 1 << 18  # values dequantized at a time on CPU (see _dequantize_matrix)
+DEVICE_BAND_ELEMENTS = 1 << 24  # elsewhere every operation is a kernel launch: bands only bound temporaries
 
 
 class Fp8Weight(PackedWeight):
@@ -71,39 +78,118 @@ class Fp8Weight(PackedWeight):
         self.register_buffer("scale", scale)
 
     def dequantize(self) -> torch.Tensor:
-        return _dequantize(self.codes, self.scale, self.block, self.dtype)
+        return _dequantize(self.codes, self.scale, self.block, self.dtype, self._exact_from_bits)
 
     def expert(self, index: int) -> torch.Tensor:
         scale = self.scale if self.scale.ndim == 0 else self.scale[index]
-        return _dequantize(self.codes[index], scale, self.block, self.dtype)
+        return _dequantize(self.codes[index], scale, self.block, self.dtype, self._exact_from_bits)
+
+    @functools.cached_property
+    def _exact_from_bits(self) -> bool:
+        """Whether ``_decode_bits`` decodes these codes exactly: every code finite, and every finite scale
+        still finite times the power of two it takes (checked once, at the first dequantization)."""
+        power = 2.0 ** _BIT_LAYOUT[self.codes.dtype][2]
+        scale = self.scale.to(torch.float32)
+        return _all_finite(self.codes) and torch.equal(torch.isfinite(scale * power), torch.isfinite(scale))
+
+
+# float8 dtype: (bits its codes move left to sit in a float32's bits, the float32 bits kept, the power
+# of two by which that float32 falls short of the code's value: 2 ** (127 - the format's exponent bias))
+_BIT_LAYOUT = {
+    torch.float8_e4m3fn: (20, 0x87F00000 - 2**32, 120),  # sign, 4 exponent and 3 mantissa bits
+    torch.float8_e5m2: (21, 0x8FE00000 - 2**32, 112),  # sign, 5 exponent and 2 mantissa bits
+}
+_SPECIAL_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}  # NaN (e4m3fn), inf and NaN (e5m2)
 
 
 def _dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+    from_bits: bool,
 ) -> torch.Tensor:
-    """``codes * scale`` in float32, rounded once to ``dtype``, a band of rows at a time (an elementwise
-    product: the same values whatever the bands)."""
-    rows = codes.shape[-2]
+    """``codes * scale`` in float32, rounded once to ``dtype``, one matrix at a time."""
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    band = ROWS_PER_BAND if block is None else max(block[0], ROWS_PER_BAND // block[0] * block[0])
-    for start in range(0, rows, band):
-        stop = min(start + band, rows)
-        values = codes[..., start:stop, :].to(torch.float32)
-        values.mul_(_band_scale(scale, block, start, stop, codes.shape[-1]))
-        out[..., start:stop, :] = values
+    if codes.ndim == 2:
+        _dequantize_matrix(codes, scale, block, out, from_bits)
+        return out
+    rows, cols = codes.shape[-2:]
+    scales = scale.reshape(-1, *scale.shape[-2:]) if scale.ndim else scale.expand(codes.shape[:-2].numel())
+    for matrix, matrix_scale, matrix_out in zip(
+        codes.reshape(-1, rows, cols), scales, out.view(-1, rows, cols), strict=True
+    ):
+        _dequantize_matrix(matrix, matrix_scale, block, matrix_out, from_bits)
     return out
 
 
-def _band_scale(
-    scale: torch.Tensor, block: tuple[int, int] | None, start: int, stop: int, cols: int
-) -> torch.Tensor:
+def _dequantize_matrix(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    out: torch.Tensor,
+    from_bits: bool,
+) -> None:
+    """Fill ``out`` with ``codes * scale``, a band of rows at a time: the band's float32 temporaries stay
+    in the core's cache through the whole chain of operations, where a whole weight's would go out to
+    memory and back at each. An elementwise product: the same values whatever the bands."""
+    rows, cols = codes.shape
     scale = scale.to(torch.float32)
-    if block is None:
-        return scale if scale.ndim == 0 else scale[..., start:stop, :]
-    grid_rows = scale[..., start // block[0] : -(-stop // block[0]), :]
-    expanded = grid_rows.repeat_interleave(block[0], dim=-2)
-    offset = start - start // block[0] * block[0]
-    return expanded[..., offset : offset + stop - start, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    if from_bits:
+        scale = scale * 2.0 ** _BIT_LAYOUT[codes.dtype][2]
+    if block is not None:  # [rows, blocks of columns]: the block scales of each row
+        scale = scale.repeat_interleave(block[0], dim=0)[:rows]
+    band = max(1, _band_elements(codes.device) // cols)
+    in_place = out.dtype == torch.float32  # decoded straight into the output
+    workspace = None if in_place else torch.empty(min(band, rows), cols, device=codes.device)
+    for start in range(0, rows, band):
+        stop = min(start + band, rows)
+        values = out[start:stop] if in_place else workspace[: stop - start]
+        (_decode_bits if from_bits else _decode_cast)(codes[start:stop], values)
+        _scale(values, scale if scale.ndim == 0 else scale[start:stop], block)
+        if not in_place:
+            out[start:stop] = values  # rounded once to the serving dtype
+
+
+def _band_elements(device: torch.device) -> int:
+    return BAND_ELEMENTS if device.type == "cpu" else DEVICE_BAND_ELEMENTS
+
+
+def _decode_bits(codes: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` := each code's value divided by its format's power of two (``_BIT_LAYOUT``), exactly: the
+    code's sign, exponent and mantissa bits moved into a float32's (a subnormal code becomes a subnormal
+    float32, denormals not being flushed, as torch leaves them). Three integer passes, where torch's own
+    float8 cast converts one value at a time on CPU, several times slower. NaN and infinite codes would come
+    out finite: weights holding any are decoded by ``_decode_cast``."""
+    shift, kept, _ = _BIT_LAYOUT[codes.dtype]
+    bits = values.view(torch.int32)
+    bits.copy_(codes.view(torch.int8))  # sign-extended: the sign bit lands on bit 31 after the shift
+    bits.bitwise_left_shift_(shift).bitwise_and_(kept)
+
+
+def _decode_cast(codes: torch.Tensor, values: torch.Tensor) -> None:
+    values.copy_(codes)
+
+
+def _all_finite(codes: torch.Tensor) -> bool:
+    """Whether no code is NaN or infinite (quantizers clamp to the largest finite value), a band at a time."""
+    special, band = _SPECIAL_BITS[codes.dtype], _band_elements(codes.device)
+    flat = codes.reshape(-1).view(torch.uint8)
+    return not any(
+        (flat[start : start + band] & special).eq_(special).any() for start in range(0, flat.numel(), band)
+    )
+
+
+def _scale(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+    """``values`` times ``scale`` in place: one scale, one per row (``[rows, 1]``), or one per row and
+    block of columns, each broadcast over its block's columns (a view, never a scale per value)."""
+    if scale.ndim == 0 or scale.shape[1] == 1:
+        values.mul_(scale)
+        return
+    whole = values.shape[1] // block[1]
+    values[:, : whole * block[1]].unflatten(1, (whole, block[1])).mul_(scale[:, :whole, None])
+    if whole < scale.shape[1]:  # the cropped last block of columns
+        values[:, whole * block[1] :].mul_(scale[:, whole:])
 
 
 def _pack_fp8(
