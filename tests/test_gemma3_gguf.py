@@ -1,6 +1,8 @@
 """A real model served: Gemma 3 270M (Q4_K_M GGUF from PyPI) through three ``petals serve`` processes,
-greedy tokens equal to transformers loading the same file, past its 512-token sliding window; and
-``petals demo --model gemma3``, which serves it the same way and prints each server's cache."""
+greedy tokens equal to transformers loading the same file, past its 512-token sliding window; its blocks,
+quantized by llama.cpp itself, dequantized bit for bit as gguf does and its Q4_K matrices run on torch's
+int4 kernel in bfloat16; and ``petals demo --model gemma3``, which serves it the same way and prints each
+server's cache."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -18,6 +21,10 @@ import petals
 from conftest import LOOPBACK_CLIENT
 from petals.cli.demo import GEMMA3_FACTS
 from petals.demo_model import DEMO_MODELS, demo_packages_missing, prepare_demo_model
+from petals.formats.gguf import GgufInt4Weight, reader
+from petals.formats.gguf_quants import dequantize
+from petals.formats.packed import packed_weights
+from petals.loading import load_block
 from petals.local_swarm import running_swarm
 
 pytestmark = pytest.mark.slow
@@ -33,6 +40,35 @@ def gemma3_cache(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("petals-cache")
     prepare_demo_model(cache_dir, GEMMA3)
     return cache_dir
+
+
+def test_llama_cpp_blocks_dequantize_as_gguf_does_and_q4_k_runs_on_the_int4_kernel(gemma3_cache):
+    """Blocks written by llama.cpp's own quantizer (Q5_0, Q4_K, Q6_K, Q8_0 in a Q4_K_M build): torch's
+    dequantization equals gguf's bit for bit, and in bfloat16 the Q4_K output projection runs on the
+    int4 kernel within a bfloat16 rounding of the block dequantized at load."""
+    from gguf.quants import dequantize as numpy_dequantize
+
+    path = prepare_demo_model(gemma3_cache, GEMMA3) / GEMMA3.gguf_file
+    stored = {tensor.name: tensor for tensor in reader(path).tensors}
+    kinds = {"attn_q": "Q5_0", "attn_output": "Q4_K", "ffn_down": "Q6_K", "attn_v": "Q8_0"}
+    for short, kind in kinds.items():
+        tensor = stored[f"blk.0.{short}.weight"]
+        assert tensor.tensor_type.name == kind
+        raw = np.asarray(tensor.data)
+        expected = numpy_dequantize(raw, tensor.tensor_type)
+        values = dequantize(torch.from_numpy(raw), tensor.tensor_type, torch.float32, expected.shape)
+        assert np.array_equal(values.numpy().view(np.uint32), expected.view(np.uint32)), kind
+
+    packed = load_block(path, 0, torch.bfloat16)
+    dense = load_block(path, 0, torch.bfloat16, weights="dequantized")
+    assert isinstance(packed_weights(packed)["self_attn.o_proj.weight"], GgufInt4Weight)
+    hidden = torch.randn(1, 7, packed.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        output = packed(hidden)
+    assert any("int4pack_mm" in event.key for event in profile.key_averages())
+    expected = dense(hidden)
+    assert (output.float() - expected.float()).abs().max() <= 0.01 * expected.float().abs().max()
 
 
 def test_greedy_tokens_through_three_servers_equal_transformers_past_the_sliding_window(gemma3_cache):

@@ -1,9 +1,11 @@
 """GGUF files served as published: each server reads only its blocks' tensors from the file.
 
-The fixture writes a tiny random Llama in llama.cpp's real layout with ``gguf.GGUFWriter``: the
+The fixtures write tiny random Llamas in llama.cpp's real layout with ``gguf.GGUFWriter``: the
 ``llama.*`` metadata keys, tensors under GGUF names (``blk.N.attn_q.weight`` ...), query and key rows
-permuted as llama.cpp's converter permutes them, attention weights and the head in Q8_0, the MLP and
-embeddings in F16, norms in F32. The reference is transformers loading the same file, dequantized.
+permuted as llama.cpp's converter permutes them, norms in F32. One file stores attention weights and
+the head in Q8_0, the MLP and embeddings in F16; another is laid out as a Q4_K_M build (Q4_K matrices,
+Q6_K for the value and down projections and the head, Q8_0 embeddings; written by ``gguf_kquants``,
+since gguf cannot quantize K-quants). The reference is transformers loading the same file, dequantized.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import petals
 from conftest import LOOPBACK_CLIENT, petals_health
 from petals.auto import AutoDistributedConfig
 from petals.block import make_block
+from petals.convert import block_weight_bytes
 from petals.formats import stored_as, weights_note
-from petals.formats.gguf import GGUFCheckpoint, gguf_file
+from petals.formats.gguf import GGUFCheckpoint, GgufInt4Weight, GgufWeight, gguf_file, reader
+from petals.formats.packed import packed_weights
 from petals.loading import CheckpointError, load_block, open_checkpoint
 from petals.local_swarm import running_swarm
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install gguf")
+import gguf_kquants  # noqa: E402
 
 CONFIG = LlamaConfig(
     hidden_size=64,
@@ -37,8 +42,20 @@ CONFIG = LlamaConfig(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+K_CONFIG = LlamaConfig(  # rows of whole 256-value K-quant super-blocks
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 ROPE_THETA = 10000.0  # transformers' LlamaConfig default
 Q8_0, F16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16
+Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
 LAYER_TENSORS = {  # GGUF name -> (Hugging Face name, stored as)
     "attn_q": ("self_attn.q_proj", Q8_0),
     "attn_k": ("self_attn.k_proj", Q8_0),
@@ -49,6 +66,15 @@ LAYER_TENSORS = {  # GGUF name -> (Hugging Face name, stored as)
     "ffn_down": ("mlp.down_proj", F16),
     "attn_norm": ("input_layernorm", None),
     "ffn_norm": ("post_attention_layernorm", None),
+}
+Q4_K_M_TYPES = {  # as llama.cpp's Q4_K_M: Q6_K where precision matters most
+    "attn_q": Q4_K,
+    "attn_k": Q4_K,
+    "attn_v": Q6_K,
+    "attn_output": Q4_K,
+    "ffn_gate": Q4_K,
+    "ffn_up": Q4_K,
+    "ffn_down": Q6_K,
 }
 
 
@@ -61,41 +87,53 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_llama_gguf(
+    path: Path,
+    seed: int = 0,
+    config: LlamaConfig = CONFIG,
+    types: dict | None = None,
+    embeddings=F16,
+    head=Q8_0,
+) -> Path:
+    """A random Llama of ``config`` as llama.cpp writes one; ``types``: the GGUF type of each layer
+    matrix by short name (default: ``LAYER_TENSORS``'), ``embeddings`` and ``head`` those two's."""
+    types = {short: stored for short, (_, stored) in LAYER_TENSORS.items()} | (types or {})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(CONFIG).eval()
+    model = LlamaForCausalLM(config).eval()
     state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
-    writer.add_block_count(CONFIG.num_hidden_layers)
-    writer.add_context_length(CONFIG.max_position_embeddings)
-    writer.add_embedding_length(CONFIG.hidden_size)
-    writer.add_feed_forward_length(CONFIG.intermediate_size)
-    writer.add_head_count(CONFIG.num_attention_heads)
-    writer.add_head_count_kv(CONFIG.num_key_value_heads)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(ROPE_THETA)
-    writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
-    writer.add_vocab_size(CONFIG.vocab_size)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
 
     def add(name: str, weight: np.ndarray, stored_as) -> None:
         if stored_as is None:
             writer.add_tensor(name, weight.astype(np.float32))
         elif stored_as == F16:
             writer.add_tensor(name, weight.astype(np.float16))
+        elif stored_as in gguf_kquants.QUANTIZERS:
+            writer.add_tensor(name, gguf_kquants.quantize(weight, stored_as), raw_dtype=stored_as)
         else:
             writer.add_tensor(name, gguf.quants.quantize(weight, stored_as), raw_dtype=stored_as)
 
-    add("token_embd.weight", state["model.embed_tokens.weight"], F16)
-    for index in range(CONFIG.num_hidden_layers):
-        for short, (hf_name, stored_type) in LAYER_TENSORS.items():
+    add("token_embd.weight", state["model.embed_tokens.weight"], embeddings)
+    for index in range(config.num_hidden_layers):
+        for short, (hf_name, _) in LAYER_TENSORS.items():
             weight = state[f"model.layers.{index}.{hf_name}.weight"]
             if short == "attn_q":
-                weight = permute_rows(weight, CONFIG.num_attention_heads)
+                weight = permute_rows(weight, config.num_attention_heads)
             elif short == "attn_k":
-                weight = permute_rows(weight, CONFIG.num_key_value_heads)
-            add(f"blk.{index}.{short}.weight", weight, stored_type)
+                weight = permute_rows(weight, config.num_key_value_heads)
+            add(f"blk.{index}.{short}.weight", weight, types[short])
     add("output_norm.weight", state["model.norm.weight"], None)
-    add("output.weight", state["lm_head.weight"], Q8_0)
+    add("output.weight", state["lm_head.weight"], head)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -106,6 +144,12 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.Q4_K_M.gguf"
+    return write_tiny_llama_gguf(path, config=K_CONFIG, types=Q4_K_M_TYPES, embeddings=Q8_0, head=Q6_K)
 
 
 def transformers_model(path: Path) -> torch.nn.Module:
@@ -203,3 +247,82 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
     assert torch.equal(output.sequences, expected.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     assert diff < 1e-4
+
+
+# --- a Q4_K_M build: K-quants, and torch's int4 kernel in bfloat16 ------------------------------------
+
+
+def stored_block_bytes(path: Path, index: int) -> int:
+    """What the file stores for block ``index``: its tensors' bytes."""
+    return sum(
+        int(tensor.n_bytes) for tensor in reader(path).tensors if tensor.name.startswith(f"blk.{index}.")
+    )
+
+
+def test_k_quant_blocks_served_packed_compute_what_the_dequantized_blocks_compute(k_quant_gguf):
+    config = AutoDistributedConfig.from_pretrained(k_quant_gguf)
+    assert stored_as(k_quant_gguf, config) == "gguf Q4_K/Q6_K/Q8_0"
+    reference = transformers_model(k_quant_gguf)
+    hidden = torch.randn(2, 5, K_CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
+    for index in range(K_CONFIG.num_hidden_layers):
+        dense = load_block(k_quant_gguf, index, torch.float32, config=config, weights="dequantized")
+        packed = load_block(k_quant_gguf, index, torch.float32, config=config)
+        expected = make_block(config, index).eval()
+        expected.load_state_dict(reference.model.layers[index].state_dict(), strict=True)
+        assert {type(weight) for weight in packed_weights(packed).values()} == {GgufWeight}
+        assert (dense(hidden) - expected(hidden)).abs().max().item() <= 1e-5
+        assert (packed(hidden) - dense(hidden)).abs().max().item() <= 1e-6
+        assert block_weight_bytes(packed) == stored_block_bytes(k_quant_gguf, index)
+
+
+def test_in_bfloat16_the_q4_k_matrices_run_on_the_int4_kernel_in_their_stored_bytes(k_quant_gguf):
+    """Q4_K matrices repacked for torch's CPU int4 kernel (Q6_K ones stay blocks): the block takes at
+    most 1.10x the bytes the file stores for it, and computes within a bfloat16 rounding of its output
+    what the same block dequantized at load computes (a misread code or scale would be off by the
+    block's whole contribution to the residual stream, 0.3 here)."""
+    config = AutoDistributedConfig.from_pretrained(k_quant_gguf)
+    hidden = torch.randn(2, 5, K_CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    for index in range(K_CONFIG.num_hidden_layers):
+        packed = load_block(k_quant_gguf, index, torch.bfloat16, config=config)
+        dense = load_block(k_quant_gguf, index, torch.bfloat16, config=config, weights="dequantized")
+        kinds = {name: type(weight) for name, weight in packed_weights(packed).items()}
+        assert (
+            kinds["self_attn.q_proj.weight"] is GgufInt4Weight and kinds["mlp.down_proj.weight"] is GgufWeight
+        )
+        assert block_weight_bytes(packed) <= 1.10 * stored_block_bytes(k_quant_gguf, index)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            output = packed(hidden)
+        kernel_calls = [event.count for event in profile.key_averages() if "int4pack_mm" in event.key]
+        assert kernel_calls == [5]  # q, k, o, gate, up
+        expected = dense(hidden)
+        assert (output.float() - expected.float()).abs().max() <= 0.01 * expected.float().abs().max()
+        assert not torch.equal(output, expected)  # the kernel's own rounding: it did compute
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_of_a_k_quant_file_through_two_servers_equal_transformers(k_quant_gguf, dtype):
+    """In float32 the servers hold the file's blocks and compute transformers' weights exactly; in
+    bfloat16 their Q4_K matrices run on the int4 kernel. The prompt is one where transformers' top two
+    logits stay 5% of the largest apart at every step (about a dozen bfloat16 steps), so equal tokens
+    test the servers' weights rather than rounding luck."""
+    ids = torch.randint(3, K_CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = transformers_model(k_quant_gguf).generate(ids, **kwargs)
+    top_two = [logits.topk(2).values[0] for logits in expected.logits]
+    assert min(float((top[0] - top[1]) / top.abs().max()) for top in top_two) > 0.05
+
+    server_args = ("--torch_dtype", dtype)
+    with running_swarm(k_quant_gguf, "0:2", "2:4", server_args=server_args) as (dht, servers):
+        for server in servers:
+            assert "gguf Q4_K/Q6_K/Q8_0 checkpoint served packed on cpu" in server.log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            k_quant_gguf, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    scale = max(logits.abs().max().item() for logits in expected.logits)
+    assert diff < (1e-4 if dtype == "float32" else 0.05 * scale)

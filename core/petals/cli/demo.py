@@ -72,7 +72,13 @@ def demo_command(
 ) -> None:
     """Run a local 3-server swarm of SmolLM2-135M-Instruct and ask it a question."""
     speculation = speculation_kwargs(speculative, None)
-    from petals.demo_model import DEMO_MODELS, is_prepared, prepare_demo_model, require_demo_plugin
+    from petals.demo_model import (
+        DEMO_MODELS,
+        is_prepared,
+        prepare_demo_model,
+        require_demo_packages,
+        require_demo_plugin,
+    )
     from petals.local_swarm import running_swarm
 
     demo = DEMO_MODELS[model_key]
@@ -80,6 +86,7 @@ def demo_command(
         raise click.UsageError("--tune teaches SmolLM2's chat model; run it without --model gemma3")
     question = question or (QUESTION if demo.chat else GEMMA3_PROMPT)
     without_torch_distributed()  # before anything imports transformers' loading code
+    require_demo_packages(cache_dir, demo)  # one line naming what to install, before anything starts
     require_demo_plugin(cache_dir, demo)
 
     timings: dict[str, float] = {}

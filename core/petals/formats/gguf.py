@@ -3,8 +3,10 @@
 ``petals serve FILE.gguf`` (or a folder holding one ``.gguf`` file and no ``config.json``) serves the file
 itself: each server reads only its blocks' tensors, by name. A quantized matrix stays in its GGUF blocks
 (``GgufWeight``: the raw rows, dequantized per forward by ``petals.formats.gguf_quants``) unless the
-server dequantizes at load (``--weights dequantized``); the client reads the embeddings, norms and head
-the same way and the tokenizer from the file. No dense copy of the model is written anywhere.
+server dequantizes at load (``--weights dequantized``); a 4-bit one (Q4_0, Q4_1, Q4_K) served in
+bfloat16 on CPU is repacked for torch's int4 kernel instead (``GgufInt4Weight``, the same bytes). The
+client reads the embeddings, norms and head dense, the same way, and the tokenizer from the file. No
+dense copy of the model is written anywhere.
 
 Taken from the libraries:
 
@@ -164,11 +166,11 @@ class GGUFCheckpoint(Checkpoint):
         self, keys: list[str], dtype: torch.dtype | None = None, packed: bool = False
     ) -> dict[str, torch.Tensor | PackedWeight]:
         """The named tensors, each dequantized to float32 (then ``dtype``) as it is read, one at a time;
-        with ``packed``, quantized matrices stay in their GGUF blocks (``GgufWeight``) where the
-        architecture's processor only reorders their rows."""
+        with ``packed``, quantized matrices stay packed (``gguf_weight``) where the architecture's
+        processor only reorders their rows."""
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        from petals.formats.gguf_quants import dequantize, is_quantized
+        from petals.formats.gguf_quants import is_quantized
 
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config_dict)
         to_hf = {name: hf_name for hf_name, name in self.weight_map.items()}
@@ -182,20 +184,30 @@ class GGUFCheckpoint(Checkpoint):
             if packed and is_quantized(stored.tensor_type):
                 order = _row_order(processor, stored, to_hf)
                 if order is not None:
-                    tensors[key] = GgufWeight(raw, int(stored.tensor_type), _shape(stored), dtype, order)
+                    tensors[key] = gguf_weight(raw, int(stored.tensor_type), _shape(stored), dtype, order)
                     continue
-            parsed: dict[str, dict] = {"tensors": {}}  # where MoE processors put stacked experts
-            result = processor.process(
-                weights=dequantize(raw, int(stored.tensor_type), torch.float32, _shape(stored)).numpy(),
-                name=stored.name,
-                tensor_key_mapping=to_hf,
-                parsed_parameters=parsed,
-            )
-            if result.name in to_hf and result.weights is not None:
-                parsed["tensors"][to_hf[result.name]] = torch.from_numpy(np.array(result.weights))
-            for name, tensor in parsed["tensors"].items():
+            for name, tensor in _processed(processor, stored, raw, to_hf).items():
                 tensors[name] = tensor.to(dtype) if dtype is not None else tensor
         return tensors
+
+
+def _processed(processor, stored, raw: torch.Tensor, to_hf: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A stored tensor dequantized to float32 and put through the architecture's processor: under its
+    Hugging Face name, or (MoE processors) the stacked experts it completes. The dequantized tensor
+    itself is returned where the processor hands its values back unchanged (no copy of a 262k-row
+    embedding)."""
+    from petals.formats.gguf_quants import dequantize
+
+    values = dequantize(raw, int(stored.tensor_type), torch.float32, _shape(stored))
+    array = values.numpy()
+    parsed: dict[str, dict] = {"tensors": {}}  # where MoE processors put stacked experts
+    result = processor.process(
+        weights=array, name=stored.name, tensor_key_mapping=to_hf, parsed_parameters=parsed
+    )
+    if result.name in to_hf and result.weights is not None:
+        same = result.weights is array
+        parsed["tensors"][to_hf[result.name]] = values if same else torch.from_numpy(np.array(result.weights))
+    return parsed["tensors"]
 
 
 def _shape(stored) -> tuple[int, ...]:
@@ -219,6 +231,32 @@ def _row_order(processor, stored, to_hf: dict[str, str]) -> torch.Tensor | None:
     if not torch.equal(torch.sort(order).values, torch.arange(rows)):
         return None
     return order
+
+
+def gguf_weight(
+    raw: torch.Tensor,
+    qtype: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None,
+    order: torch.Tensor | None = None,
+) -> PackedWeight:
+    """A block-quantized GGUF tensor held packed: a 4-bit matrix (Q4_0, Q4_1, Q4_K) served in bfloat16 on
+    CPU, which torch's int4 kernel computes with, as a ``GgufInt4Weight``; anything else as its GGUF
+    blocks (``GgufWeight``: in float32, say, every forward dequantizes, and the blocks do that fastest).
+    ``raw``: the stored uint8 rows; ``order``: the order the architecture's processor gives the rows."""
+    from petals.formats import int4pack
+    from petals.formats.gguf_quants import four_bit_type
+
+    rows = raw.reshape(int(np.prod(shape[:-1])), -1)
+    if (
+        len(shape) == 2
+        and dtype == torch.bfloat16
+        and four_bit_type(qtype) is not None
+        and raw.device.type == "cpu"
+        and int4pack.packable(shape[0], shape[1], GgufInt4Weight.group_size)
+    ):
+        return GgufInt4Weight(rows[order] if order is not None else rows, qtype, shape, dtype)
+    return GgufWeight(raw, qtype, shape, dtype, order)
 
 
 class GgufWeight(PackedWeight):
@@ -254,9 +292,92 @@ class GgufWeight(PackedWeight):
         return dequantize(rows, self.qtype, self.dtype, self.shape[1:])
 
     def extra_repr(self) -> str:
-        from gguf.constants import GGMLQuantizationType
+        return f"{super().extra_repr()}, {_type_name(self.qtype)}"
 
-        return f"{super().extra_repr()}, {GGMLQuantizationType(self.qtype).name}"
+
+class GgufInt4Weight(PackedWeight):
+    """A Q4_0, Q4_1 or Q4_K matrix ``[out, in]`` held for torch's CPU int4 kernel
+    (``petals.formats.int4pack``): its 4-bit codes repacked into the kernel's layout (``packed``, half a
+    byte per weight) and its blocks' scale fields exactly (``part0``, ``part1``, ...: float16 ``d``, Q4_1's
+    ``m``, Q4_K's ``dmin`` and its 6-bit sub-block scales and mins, a byte each), laid out ``[blocks per
+    row, groups, out]`` so that the kernel's per-32-input scales and zeros (``[in / 32, out]``) come out
+    of them in place per call. That is the file's bytes (Q4_K: 1.03x, its 6-bit fields in whole bytes,
+    which spares unpacking them per call).
+
+    A bfloat16 input on CPU is computed by the kernel; anything else (float32, a gradient to compute,
+    another device, more rows than the kernel is faster for) sees the weight dequantized, exactly as gguf
+    dequantizes the blocks (the codes unpack exactly)."""
+
+    group_size = 32  # every 32 inputs share a scale and an offset in these three types
+
+    def __init__(
+        self, rows: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype | None
+    ) -> None:
+        from petals.formats import int4pack
+        from petals.formats.gguf_quants import four_bit_type, quant_type
+
+        super().__init__(shape, dtype or torch.float32)
+        self.qtype = int(qtype)
+        out_features, in_features = shape
+        four_bit = four_bit_type(qtype)
+        blocks = rows.reshape(-1, quant_type(qtype).type_size)
+        self.register_buffer("packed", int4pack.pack(four_bit.nibbles(blocks).reshape(shape)))
+        parts = four_bit.split(blocks)  # each [blocks, 1 or groups]
+        self.parts = len(parts)
+        for index, part in enumerate(parts):  # -> [blocks per row, 1 or groups, out]
+            laid_out = part.reshape(out_features, -1, part.shape[-1]).permute(1, 2, 0).contiguous()
+            self.register_buffer(f"part{index}", laid_out)
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [getattr(self, f"part{index}") for index in range(self.parts)]
+
+    def dequantize(self) -> torch.Tensor:
+        from petals.formats import int4pack
+        from petals.formats.gguf_quants import chunk_values, combine, four_bit_type, in_chunks
+
+        out_features, in_features = self.shape
+        four_bit = four_bit_type(self.qtype)
+
+        def fill(packed: torch.Tensor, *parts_and_out: torch.Tensor) -> None:
+            *parts, out = parts_and_out
+            nibbles = int4pack.unpack(packed, len(packed), in_features, torch.uint8)  # [rows, in]
+            by_block = [part.reshape(-1, part.shape[-1]) for part in parts]  # [rows * blocks per row, g]
+            blocks = len(by_block[0])
+            scales, offsets = four_bit.values(*by_block)
+            combine(four_bit.grouped(nibbles, blocks), scales, offsets, out.view(blocks, -1))
+
+        values = torch.empty(self.shape, dtype=self.dtype, device=self.packed.device)
+        per_chunk = chunk_values(self.packed.device) // in_features
+        tiles = max(1, per_chunk // int4pack.TILE_ROWS) * int4pack.TILE_ROWS
+        by_row = [part.permute(2, 0, 1) for part in self._parts()]  # views [out, blocks per row, g]
+        in_chunks(values, tiles, fill, self.packed, *by_row)
+        return values
+
+    def linear(self, inputs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from petals.formats import int4pack
+        from petals.formats.gguf_quants import four_bit_type
+
+        out_features, in_features = self.shape
+        rows = inputs.numel() // max(in_features, 1)
+        if rows > int4pack.MAX_ROWS or not int4pack.usable(
+            inputs, out_features, in_features, self.group_size
+        ):
+            return super().linear(inputs, bias)
+        # [blocks per row, groups, out] -> [in / 32, out], as the kernel takes them (transposed back)
+        scales, zeros = (
+            part.flatten(0, 1) for part in four_bit_type(self.qtype).kernel_scales(*self._parts())
+        )
+        outputs = int4pack.matmul(inputs, self.packed, self.group_size, scales.T, zeros.T)
+        return outputs if bias is None else outputs + bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {_type_name(self.qtype)} as int4 for torch's CPU kernel"
+
+
+def _type_name(qtype: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(qtype).name
 
 
 def local_model(model_name_or_path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:

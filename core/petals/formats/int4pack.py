@@ -1,0 +1,105 @@
+"""Torch's CPU int4 matmul: 4-bit codes in the layout of ``aten._weight_int4pack_mm_for_cpu``.
+
+The kernel computes ``x @ w.T`` for a bfloat16 ``x`` ``[M, K]`` and a weight ``w`` ``[N, K]`` stored as
+4-bit codes ``q`` with a scale and a zero per group of ``group_size`` inputs: ``w = (q - 8) * scale +
+zero``. At batch 1 it is faster than a bfloat16 ``F.linear`` of the dense weight (it reads a quarter of
+the bytes); for float32 inputs torch takes a slow path, so callers dequantize those instead. A format
+whose weights are 4-bit codes with per-group scales (GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ) repacks its codes
+once at load (``pack``) and keeps its own compact scales, turning them into the kernel's per forward.
+
+The packed layout is torch's (``aten._convert_weight_to_int4pack_for_cpu``): rows in tiles of 64, each
+tile stored input by input, 32 bytes per input, byte ``j`` holding row ``j`` in its low nibble and row
+``j + 32`` in its high one; the last tile of fewer than 64 rows holds rows ``2j`` and ``2j + 1``. ``unpack``
+inverts it, so a repacked weight still dequantizes exactly; ``available`` checks the layout on a probe
+before anything relies on it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)
+TILE_ROWS = 64  # rows per tile of the packed layout
+ROW_MULTIPLE = 16  # the kernel's packing needs N divisible by this
+PACK_VALUES = 1 << 22  # codes packed at a time
+# Above this many input rows a caller holding only packed weights is faster dequantizing them and
+# multiplying densely (GGUF Q4_0/Q4_K, 1024x1024 and 4096x4096: the kernel's time grows with the rows,
+# the dequantization's does not; they crossed between 128 and 256 rows)
+MAX_ROWS = 128
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes ``[N, K]`` in 0..15 (any integer dtype) → the kernel's packed uint8 ``[N, K / 2]``.
+
+    Packed a run of whole tiles at a time (runs of 64 rows pack into consecutive bytes), so that the
+    int32 copy the packing takes stays small whatever the matrix."""
+    n, k = codes.shape
+    step = max(TILE_ROWS, PACK_VALUES // max(k, 1) // TILE_ROWS * TILE_ROWS)
+    runs = [
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes[start : start + step].to(torch.int32).contiguous(), 1
+        )
+        for start in range(0, n, step)
+    ]
+    return torch.cat([run.reshape(-1) for run in runs]).reshape(n, k // 2)
+
+
+def unpack(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """The codes ``[n, k]`` that ``pack`` packed into ``packed`` (on its device), as ``dtype``. Rows
+    ``start:stop`` of a packed ``[N, K / 2]`` with ``start`` a multiple of 64 (and ``stop`` one too, or
+    ``N``) are themselves the packed rows ``start:stop``: a caller can unpack a run of rows at a time."""
+    flat = packed.reshape(-1)
+    full = n // TILE_ROWS * TILE_ROWS
+    tiles = flat[: full * k // 2].reshape(-1, k, TILE_ROWS // 2)  # [tiles, input, byte]
+    tiled = torch.cat([tiles & 0x0F, tiles >> 4], dim=-1).transpose(1, 2)  # [tiles, row in tile, input]
+    rest = flat[full * k // 2 :].reshape(k, -1)  # [input, byte]: rows 2j and 2j + 1
+    last = torch.stack([rest & 0x0F, rest >> 4], dim=-1).reshape(k, n - full).T
+    codes = torch.empty(n, k, dtype=dtype, device=packed.device)
+    codes[:full].view(-1, TILE_ROWS, k).copy_(tiled)
+    codes[full:] = last
+    return codes
+
+
+def matmul(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """``x @ w.T`` in bfloat16 for ``w = (q - 8) * scales + zeros`` (``scales``, ``zeros``:
+    ``[N, K / group_size]``, one per group of inputs). ``x`` is bfloat16 ``[..., K]``; check ``usable``."""
+    scales_and_zeros = scales.new_empty(*scales.T.shape, 2, dtype=torch.bfloat16)  # [K / g, N, 2]
+    scales_and_zeros[..., 0] = scales.T  # rounded to bfloat16 as written: torch.stack took 2x as long
+    scales_and_zeros[..., 1] = zeros.T
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def usable(x: torch.Tensor, n: int, k: int, group_size: int) -> bool:
+    """Whether ``matmul`` computes ``x`` with a weight ``[n, k]`` in groups of ``group_size`` fast: a
+    bfloat16 input on CPU needing no gradient, shapes the kernel takes, and torch's layout as ``unpack``
+    reads it."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and packable(n, k, group_size)
+    )
+
+
+def packable(n: int, k: int, group_size: int) -> bool:
+    """Whether a weight ``[n, k]`` in groups of ``group_size`` can be held packed for the kernel."""
+    return group_size in GROUP_SIZES and n % ROW_MULTIPLE == 0 and k % group_size == 0 and available()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch has the CPU int4 kernel and packs as ``unpack`` reads (checked once on random
+    codes, a full tile and a partial one): a torch that packs otherwise is not used, not misread."""
+    try:
+        probe = torch.randint(
+            0, 16, (TILE_ROWS + 48, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+        )
+        return torch.equal(unpack(pack(probe), *probe.shape), probe)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
