@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, FineGrainedFP8Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config, FineGrainedFP8Config, Qwen3MoeConfig
 
 import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm, save_random_model, tiny_config
@@ -65,6 +65,21 @@ def dequantize_fp8(tensors: dict, quantization_config: dict, dtype: torch.dtype)
     }
 
 
+QWEN3_MOE = Qwen3MoeConfig(  # an MoE whose checkpoints store every expert as linears of its own
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[0],
+)
+
+
 def quantize_fp8(weight: torch.Tensor, block_size: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 weight, weight_scale_inv)``: each block's largest magnitude maps to 448."""
     if block_size is None:
@@ -103,19 +118,40 @@ def is_quantized_in_release(name: str, tensor: torch.Tensor) -> bool:
     return name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith("mlp.gate.weight")
 
 
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 weight, [rows, 1] scale)``: each row's largest magnitude maps to 448 (AutoFP8's and
+    llm-compressor's per-channel strategy)."""
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    return (weight / scale).to(torch.float8_e4m3fn), scale.to(torch.float32)
+
+
+# how each FP8 layout names a weight's scale, quantizes a weight, and what its config.json says
+FP8_LAYOUTS = {
+    "fp8": "weight_scale_inv",  # DeepSeek V3's, transformers' FineGrainedFP8Config
+    "autofp8": "weight_scale",  # AutoFP8: per channel, with a static input_scale
+    "compressed-tensors": "weight_scale",  # llm-compressor's float-quantized, per channel
+}
+
+
 def save_fp8_checkpoint(
-    config, path: Path, block_size: list[int] | None, also: tuple[str, ...] = ()
+    config, path: Path, block_size: list[int] | None, also: tuple[str, ...] = (), layout: str = "fp8"
 ) -> tuple[Path, Path]:
     """``(fp8 checkpoint, its dequantized float32 twin)`` of one random model of ``config``; ``also``
-    names tensors outside the layers to quantize too."""
+    names tensors outside the layers to quantize too; ``layout`` one of ``FP8_LAYOUTS`` (AutoFP8 and
+    compressed-tensors per output channel, ``block_size`` unused)."""
     source = save_random_model(config, path / "source")
     tensors = load_file(source / "model.safetensors")
     stored, dequantized = {}, {}
     for name, tensor in tensors.items():
         if is_quantized_in_release(name, tensor) or name in also:
-            quantized, scale_inv = quantize_fp8(tensor, block_size)
-            stored[name], stored[f"{name}_scale_inv"] = quantized, scale_inv
-            dequantized[name] = dequantize_by_blocks(quantized, scale_inv, block_size)
+            if layout == "fp8":
+                quantized, scale = quantize_fp8(tensor, block_size)
+                dequantized[name] = dequantize_by_blocks(quantized, scale, block_size)
+            else:
+                quantized, scale = quantize_fp8_per_channel(tensor)
+                dequantized[name] = quantized.to(torch.float32) * scale
+                stored[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)  # static, dropped
+            stored[name], stored[f"{name.removesuffix('weight')}{FP8_LAYOUTS[layout]}"] = quantized, scale
         else:
             stored[name] = dequantized[name] = tensor
     fp8, reference = path / "fp8", path / "reference"
@@ -124,14 +160,41 @@ def save_fp8_checkpoint(
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
     save_by_layer(stored, fp8)
     config_json = json.loads((source / "config.json").read_text())
-    config_json["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": block_size,
-    }
+    config_json["quantization_config"] = _fp8_quantization_config(layout, block_size)
     (fp8 / "config.json").write_text(json.dumps(config_json, indent=2))
     return fp8, reference
+
+
+def _fp8_quantization_config(layout: str, block_size: list[int] | None) -> dict:
+    """config.json's quantization_config as each tool writes it."""
+    if layout == "fp8":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block_size,
+        }
+    if layout == "autofp8":
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "channel",
+                    "symmetric": True,
+                    "dynamic": False,
+                },
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+            }
+        },
+    }
 
 
 def save_by_layer(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -157,6 +220,9 @@ LAYOUTS = {  # model, weight_block_size: blocks that crop at the edges, blocks t
     "llama-per-tensor": ("llama", None),
     "deepseek-v3-blockwise": ("deepseek_v3", [16, 16]),
     "deepseek-v3-whole-blocks": ("deepseek_v3", [8, 8]),
+    # one scale per output channel, as AutoFP8 and llm-compressor write them (an MoE's experts one by one)
+    "llama-autofp8": ("llama", "autofp8"),
+    "qwen3-moe-compressed-tensors": ("qwen3_moe", "compressed-tensors"),
 }
 # transformers 5.24 dequantizes FP8 on CPU (FineGrainedFP8Config(dequantize=True), also its automatic CPU
 # fallback) with blocks of rows / scale rows, so cropped edge blocks, which DeepSeek V3 has (kv_a_proj_with_mqa:
@@ -173,8 +239,18 @@ def fp8_checkpoint(tmp_path_factory):
     def build(layout: str) -> tuple[Path, Path]:
         if layout not in built:
             model, block_size = LAYOUTS[layout]
-            config = DEEPSEEK_V3 if model == "deepseek_v3" else tiny_config(model)
-            built[layout] = save_fp8_checkpoint(config, tmp_path_factory.mktemp(layout), block_size)
+            config = (
+                DEEPSEEK_V3
+                if model == "deepseek_v3"
+                else QWEN3_MOE
+                if model == "qwen3_moe"
+                else tiny_config(model)
+            )
+            kind = block_size if isinstance(block_size, str) else "fp8"
+            block_size = None if isinstance(block_size, str) else block_size
+            built[layout] = save_fp8_checkpoint(
+                config, tmp_path_factory.mktemp(layout), block_size, layout=kind
+            )
         return built[layout]
 
     return build
@@ -288,7 +364,10 @@ def test_scales_of_the_wrong_grid_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["deepseek-v3-blockwise", "deepseek-v3-whole-blocks", "llama-per-tensor"])
+@pytest.mark.parametrize(
+    "layout",
+    ["deepseek-v3-blockwise", "deepseek-v3-whole-blocks", "llama-per-tensor", "qwen3-moe-compressed-tensors"],
+)
 def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized_model(
     fp8_checkpoint, layout
 ):
