@@ -369,7 +369,7 @@ def test_scales_of_the_wrong_grid_are_refused():
     ["deepseek-v3-blockwise", "deepseek-v3-whole-blocks", "llama-per-tensor", "qwen3-moe-compressed-tensors"],
 )
 def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized_model(
-    fp8_checkpoint, layout
+    fp8_checkpoint, layout, tmp_path
 ):
     """Against transformers on the dequantized float32 copy, and on the FP8 checkpoint itself where it
     reads it (``TRANSFORMERS_READS``)."""
@@ -385,9 +385,12 @@ def test_greedy_tokens_through_two_servers_equal_transformers_on_the_dequantized
         own_diff = max((a - b).abs().max().item() for a, b in zip(own.logits, expected.logits, strict=True))
         assert own_diff < 1e-5, own_diff
 
-    with running_swarm(fp8, "0:2", "2:4") as (dht, servers):
+    with running_swarm(fp8, "0:2", "2:4", env={"PETALS_CACHE": str(tmp_path)}) as (dht, servers):
         for server in servers:
             assert "served packed on cpu: weights stay in their stored bytes" in server.log
+        # the throughput they announce is measured on a block they serve, packed (cached under its format)
+        measured = json.loads((tmp_path / "throughput_v1.json").read_text())
+        assert any("_packed_fp8" in key for key in measured), measured
         model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             fp8, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
         )

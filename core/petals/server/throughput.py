@@ -86,19 +86,54 @@ def get_server_throughput(
     tensor_parallel_devices: Sequence[torch.device] = (),
 ) -> ThroughputInfo:
     """Measured (or cached) compute throughput for ``num_blocks`` blocks of this model, converted as served."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
     conversion = {
         "quant_type": QuantType(quant_type),
         "tensor_parallel_devices": tuple(tensor_parallel_devices),
     }
-    key = _cache_key(config, dtype, device, **conversion)
+    return _cached_rates(
+        cache_dir,
+        _cache_key(config, dtype, device, **conversion),
+        lambda: _converted_random_block(config, dtype, device, **conversion),
+        num_blocks,
+        force_eval=force_eval,
+    )
+
+
+def hosted_throughput(
+    backend: BlockBackend, settings: ServerSettings, config: PretrainedConfig, num_blocks: int, stored_as: str
+) -> ThroughputInfo:
+    """The throughput of blocks served packed, measured on one of them (``backend``, a loaded block):
+    the random block ``get_server_throughput`` times holds dense weights, which a packed block computes
+    several times faster than its own (it dequantizes per forward). Cached beside the dense figures, under
+    the stored format."""
+    key = _cache_key(
+        config,
+        settings.dtype,
+        settings.device,
+        QuantType(settings.quant_type),
+        settings.tensor_parallel_devices,
+    )
+    return _cached_rates(
+        settings.cache_dir or default_cache_dir(),
+        f"{key}_packed_{stored_as.replace(' ', '_')}",
+        lambda: backend,
+        num_blocks,
+        force_eval=False,
+    )
+
+
+def _cached_rates(
+    cache_dir: Path, key: str, make_backend, num_blocks: int, *, force_eval: bool
+) -> ThroughputInfo:
+    """The rates under ``key`` in the cache file, measured on ``make_backend()`` when missing (or forced)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / "throughput.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # servers started together measure one after another
         cache_path = cache_dir / CACHE_FILE
         cache = _read_cache(cache_path)
         if force_eval or key not in cache:
             started = time.perf_counter()
-            backend = _converted_random_block(config, dtype, device, **conversion)
+            backend = make_backend()
             cache[key] = {
                 "forward_rps": measure_compute_rps(backend, inference=False),
                 "inference_rps": measure_compute_rps(backend, inference=True),
