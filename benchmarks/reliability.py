@@ -12,6 +12,12 @@
 4. Servers that lie (``benchmarks.trust``): a server perturbing its outputs against a client with
    ``verify`` (and what ``verify`` costs), a server announcing 1000x its throughput, and 200 fake
    server records under the blocks' keys.
+5. ``petals api`` probed as a hostile client would: seeded malformed bodies, values, headers, form
+   posts and WebSocket messages interleaved with valid requests and with streams whose clients leave
+   halfway; every malformed one must be a 4xx in OpenAI's shape with no traceback or path, every valid
+   one served, the process up, no generation place or KV cache left held. Also reported: the latency of
+   ``/v1/models`` while four 1 MiB prompts are tokenized and, outside ``--short``, the only server
+   stopped for 8 s during 32 streams (how each stream ended, and how soon a new request is answered).
 
 Everything runs on 127.0.0.1 (``--loopback``), is bounded in count and time, and stops what it
 started. Exits non-zero when any check fails.
@@ -34,6 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import psutil
 import torch
 from hivemind.dht.routing import DHTID
@@ -43,11 +50,12 @@ from hivemind.utils import get_dht_time
 from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria
 
 from benchmarks.trust import run_trust, trust_checks
+from petals.api.text import MAX_STOP_LENGTH
 from petals.bounded_msgpack import MsgpackLimitError, check_msgpack
 from petals.data_structures import make_uids
 from petals.formats.gguf import local_model
 from petals.testing.malformed import nested_metadata, nested_tuples
-from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm, start_dht, start_server
+from petals.testing.swarm import LOOPBACK_CLIENT, running_swarm, start_api, start_dht, start_server
 from petals.testing.wire_client import WireClient, make_request
 from petals.wire import request_parts, serialize_tensor, write_metadata
 from petals.wire_errors import error_kind
@@ -472,6 +480,369 @@ def _release(server) -> None:
             orphan.kill()
 
 
+# ---- 5: petals api against hostile clients -------------------------------------------------------
+
+
+def save_tiny_chat_llama(directory: Path) -> Path:
+    """A random 4-block Llama over the demo model's tokenizer (the API needs one), saved with it."""
+    from transformers import AutoTokenizer
+
+    from petals.demo_model import prepare_demo_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = directory / "reliability-chat-llama"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+VALID_COMPLETION = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+# none of them is valid for any of these fields
+JUNK_FIELDS = ["max_tokens", "temperature", "top_p", "seed", "stream", "n", "model"]
+JUNK_VALUES = ["3", "yes", "true", 2**70, -(2**70), "x" * 5000, {}, [[1]], 1e308]
+PYTHON_INTERNALS = ("Traceback", "KeyError", "TypeError", "IndexError", "OverflowError", "AttributeError")
+
+
+def _valid_body(model_id: str, rng: random.Random) -> dict:
+    if rng.random() < 0.5:
+        return {"model": model_id, **VALID_COMPLETION}
+    return {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+
+
+def _route(body: dict) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+JSON_TYPE = {"Content-Type": "application/json"}
+FORM_TYPE = {"Content-Type": "application/x-www-form-urlencoded"}
+Probe = tuple[str, str, dict, bytes]  # method, path, headers, body
+
+
+def _json_post(body: dict, **changes) -> Probe:
+    return "POST", _route(body), JSON_TYPE, json.dumps({**body, **changes}).encode()
+
+
+def _truncated(body: dict, rng: random.Random) -> Probe:
+    raw = json.dumps(body).encode()
+    return "POST", _route(body), JSON_TYPE, raw[: rng.randint(1, len(raw) - 1)]
+
+
+def _non_json_number(body: dict, rng: random.Random) -> Probe:
+    number = rng.choice(["NaN", "Infinity", "1e400", "-0.5"])
+    return "POST", _route(body), JSON_TYPE, f'{json.dumps(body)[:-1]}, "temperature": {number}}}'.encode()
+
+
+def _deep(body: dict, rng: random.Random) -> Probe:
+    depth = rng.choice([100, 5000, 100_000])
+    return "POST", _route(body), JSON_TYPE, b"[" * depth + b"]" * depth
+
+
+def _form(body: dict, rng: random.Random) -> Probe:
+    fields = rng.choice(
+        ["inputs=Hi", "max_new_tokens=5", "inputs=Hi&max_new_tokens=1e400", "inputs=Hi&max_new_tokens=2&do_sample=yes",
+         "inputs=Hi&max_new_tokens=2&do_sample=1&temperature=nan"]
+    )  # fmt: skip
+    return "POST", "/api/v1/generate", FORM_TYPE, fields.encode()
+
+
+def _bad_messages(body: dict, rng: random.Random) -> Probe:
+    messages = rng.choice([[], [{"role": "robot", "content": "x"}], [{"content": "x"}], "text", [1]])
+    return _json_post({"model": body["model"], "messages": messages, "max_tokens": 3})
+
+
+def _bad_prompt_ids(body: dict, rng: random.Random) -> Probe:
+    return _json_post({"model": body["model"], **VALID_COMPLETION}, prompt=[rng.choice([-1, 2**70])])
+
+
+def _foreign(body: dict, rng: random.Random) -> Probe:
+    headers = rng.choice([{"Host": "evil.example"}, {"Origin": "http://evil.example"}, {"Origin": "null"}])
+    return "POST", _route(body), {**JSON_TYPE, **headers}, json.dumps(body).encode()
+
+
+# requests that must be refused with a 4xx, each from a valid body and the seeded generator
+MALFORMED: list[Callable[[dict, random.Random], Probe]] = [
+    lambda body, rng: ("POST", _route(body), JSON_TYPE, rng.randbytes(rng.randint(1, 300))),
+    _truncated,
+    lambda body, rng: _json_post(body, **{rng.choice(JUNK_FIELDS): rng.choice(JUNK_VALUES)}),
+    _non_json_number,
+    _deep,
+    lambda body, rng: _json_post(body, stop=rng.choice([["s"] * rng.randint(5, 10_000), "x" * (MAX_STOP_LENGTH + 1)])),
+    _bad_messages,
+    _bad_prompt_ids,
+    lambda body, rng: ("POST", _route(body), {"Content-Type": "text/plain"}, json.dumps(body).encode()),
+    _form,
+    _foreign,
+    lambda body, rng: (*rng.choice([("GET", "/v1/completions"), ("DELETE", "/v1/models"), ("GET", "/no/such")]), {}, b""),
+]  # fmt: skip
+
+
+WS_JUNK = [
+    b"\x00binary",
+    "not json",
+    "[1, 2]",
+    '{"type": "generate", "inputs": "Hi", "max_new_tokens": 1e400}',
+    '{"type": "generate", "inputs": "Hi", "max_new_tokens": 2, "do_sample": 1, "temperature": NaN}',
+    '{"type": "generate", "inputs": "Hi", "max_new_tokens": 2, "stop_sequence": 5}',
+    '{"type": "generate", "max_new_tokens": 2}',
+    '{"type": "generate", "inputs": 7, "max_new_tokens": 2}',
+    json.dumps(
+        {"type": "generate", "inputs": "Hi", "stop_sequence": "</s>", "extra_stop_sequences": ["x"] * 10_000}
+    ),
+    '{"type": "what"}',
+]
+
+
+def _is_clean_refusal(status: int, text: str) -> bool:
+    """A 4xx whose body is OpenAI's error shape, without a traceback, a path or a raw Python error."""
+    try:
+        error = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (
+        400 <= status < 500
+        and bool(error.get("message"))
+        and "type" in error
+        and not any(word in text for word in PYTHON_INTERNALS)
+        and ".py" not in text
+    )
+
+
+class _APIProbes:
+    """Seeded probes of one ``petals api`` process; ``outcomes`` counts what each kind was answered."""
+
+    def __init__(self, url: str, model_id: str, rng: random.Random) -> None:
+        import httpx2
+
+        self.url, self.model_id, self.rng = url, model_id, rng
+        self.http = httpx2.Client(base_url=url, timeout=120)
+        self.outcomes: Counter[str] = Counter()
+        self.valid_seconds: list[float] = []
+
+    def malformed_http(self) -> None:
+        method, path, headers, body = self.rng.choice(MALFORMED)(
+            _valid_body(self.model_id, self.rng), self.rng
+        )
+        response = self.http.request(method, path, headers=headers, content=body)
+        clean = _is_clean_refusal(response.status_code, response.text)
+        self.outcomes[f"malformed: {'4xx in OpenAI shape' if clean else f'BAD {response.status_code}'}"] += 1
+        if not clean:
+            print(
+                f"API probe {method} {path} {body[:80]!r} -> {response.status_code} {response.text[:300]}",
+                file=sys.stderr,
+            )
+
+    def malformed_websocket(self) -> None:
+        from websockets.sync.client import connect
+
+        with connect(self._ws_url(), open_timeout=30) as websocket:
+            websocket.send(json.dumps({"type": "open_inference_session", "max_length": 32}))
+            assert json.loads(websocket.recv(timeout=60)) == {"ok": True}
+            websocket.send(self.rng.choice(WS_JUNK))
+            text = websocket.recv(timeout=60)
+        reply = json.loads(text)
+        clean = (
+            reply.get("ok") is False
+            and "error" in reply
+            and not any(word in text for word in PYTHON_INTERNALS)
+        )
+        self.outcomes[f"malformed websocket: {'clean error' if clean else 'BAD'}"] += 1
+
+    def valid(self) -> None:
+        body = _valid_body(self.model_id, self.rng)
+        started = time.perf_counter()
+        response = self.http.post(_route(body), json=body)
+        self.valid_seconds.append(time.perf_counter() - started)
+        self.outcomes[
+            f"valid: {'200' if response.status_code == 200 else f'FAILED {response.status_code}'}"
+        ] += 1
+
+    def leaving_stream(self) -> None:
+        """A stream whose client leaves after its first event."""
+        body = {**_valid_body(self.model_id, self.rng), "max_tokens": 200, "stream": True}
+        with self.http.stream("POST", _route(body), json=body) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        self.outcomes[f"leaving stream: {'left after its first event' if first else 'BAD'}"] += 1
+
+    def leaving_websocket(self) -> None:
+        """A WebSocket closed in the middle of a streamed turn."""
+        from websockets.sync.client import connect
+
+        with connect(self._ws_url(), open_timeout=30) as websocket:
+            websocket.send(json.dumps({"type": "open_inference_session", "max_length": 200}))
+            assert json.loads(websocket.recv(timeout=60)) == {"ok": True}
+            turn = {
+                "type": "generate",
+                "inputs": "Go on:",
+                "max_new_tokens": 1,
+                "stop_sequence": "never-said",
+            }
+            websocket.send(json.dumps(turn))
+            reply = json.loads(websocket.recv(timeout=60))
+        self.outcomes[f"leaving websocket: {'left mid-turn' if reply.get('ok') else 'BAD'}"] += 1
+
+    def gauge(self, name: str, until: float = 0, wait: float = 30) -> float:
+        """A gauge of the API's ``/metrics``, read until it has the value ``until`` (or ``wait`` is over)."""
+        deadline = time.monotonic() + wait
+        while True:
+            lines = self.http.get("/metrics").text.splitlines()
+            value = float(next(line.split()[1] for line in lines if line.startswith(f"{name} ")))
+            if value == until or time.monotonic() > deadline:
+                return value
+            time.sleep(0.2)
+
+    def models_latency_during_long_prompts(self, characters: int) -> dict[str, float]:
+        """The slowest ``/v1/models`` answer while four prompts of ``characters`` are tokenized (then
+        refused, beyond the context), asked again and again until the last of those is answered."""
+        import threading
+
+        prompt = ("The quick brown fox jumps over the lazy dog. " * (characters // 45 + 1))[:characters]
+        body = {"model": self.model_id, **VALID_COMPLETION, "prompt": prompt}
+        threads = [threading.Thread(target=self.http.post, args=("/v1/completions",), kwargs={"json": body})
+                   for _ in range(4)]  # fmt: skip
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        latencies = []
+        while any(thread.is_alive() for thread in threads):
+            asked = time.perf_counter()
+            self.http.get("/v1/models")
+            latencies.append(time.perf_counter() - asked)
+        return {
+            "models_max_seconds_during_4_long_prompts": round(max(latencies, default=0.0), 3),
+            "models_p50_seconds_during_4_long_prompts": round(float(np.median(latencies or [0.0])), 4),
+            "models_asked_during_4_long_prompts": len(latencies),
+            "long_prompts_answered_after_seconds": round(time.perf_counter() - started, 2),
+        }
+
+    def _ws_url(self) -> str:
+        return self.url.replace("http", "ws", 1) + "/api/v2/generate"
+
+
+def run_api_probes(seed: int, count: int, long_prompt: int, stall: bool) -> dict:
+    with tempfile.TemporaryDirectory() as directory:
+        model_path = save_tiny_chat_llama(Path(directory))
+        model_id = model_path.name
+        with (
+            running_swarm(model_path, "0:4") as (dht, (server,)),
+            start_api(model_path, dht.initial_peers) as api,
+        ):
+            client = WireClient(dht.initial_peers)
+            probes = _APIProbes(api.url, model_id, random.Random(seed))
+            try:
+                initial_cache = client.info(server.peer_id)["cache_tokens_available"]
+                probes.http.post("/v1/completions", json={"model": model_id, **VALID_COMPLETION})  # warm up
+                rss_before = psutil.Process(api.pid).memory_info().rss
+                kinds = [probes.malformed_http] * 6 + [probes.malformed_websocket, probes.valid, probes.valid,
+                         probes.leaving_stream, probes.leaving_websocket]  # fmt: skip
+                started = time.perf_counter()
+                for _ in range(count):
+                    probes.rng.choice(kinds)()
+                    if api.process.poll() is not None:
+                        break
+                seconds = time.perf_counter() - started
+                alive = api.process.poll() is None
+                report = {
+                    "requests": count,
+                    "seconds": round(seconds, 1),
+                    "outcomes": dict(sorted(probes.outcomes.items())),
+                    "valid_p50_seconds": round(float(np.percentile(probes.valid_seconds, 50)), 3),
+                    "valid_p95_seconds": round(float(np.percentile(probes.valid_seconds, 95)), 3),
+                    "api_crashed": not alive,
+                    "places_left_held": probes.gauge("petals_api_requests_in_progress") if alive else None,
+                    "websocket_sessions_left_open": probes.gauge("petals_api_websocket_sessions") if alive else None,
+                    "leaked_cache_tokens": initial_cache - _settled_cache(client, server.peer_id, initial_cache),
+                    "api_rss_before_mib": round(rss_before / 2**20, 1),
+                    "api_rss_after_mib": round(psutil.Process(api.pid).memory_info().rss / 2**20, 1) if alive else None,
+                    "long_prompt_characters": long_prompt,
+                    **probes.models_latency_during_long_prompts(long_prompt),
+                }  # fmt: skip
+                if stall:
+                    report["stall"] = run_api_stall(probes, server, model_id)
+            finally:
+                probes.http.close()
+                client.close()
+    return report
+
+
+def run_api_stall(probes: _APIProbes, server, model_id: str, streams: int = 32, stall: float = 8.0) -> dict:
+    """The only server stopped for ``stall`` seconds while ``streams`` streams generate."""
+    import threading
+
+    ended: list[str] = []
+    first_events = threading.Semaphore(0)
+
+    def stream(index: int) -> None:
+        body = {
+            "model": model_id,
+            "prompt": f"Story {index}:",
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+        }
+        how, told = "unfinished", False
+        try:
+            with probes.http.stream("POST", "/v1/completions", json=body, timeout=300) as response:
+                for line in response.iter_lines():
+                    if not told and line.startswith("data: "):
+                        told = True
+                        first_events.release()
+                    if line == "data: [DONE]":
+                        how = "tokens to the end"
+                    elif line.startswith("data: ") and '"error"' in line:
+                        how = "an error event"
+        except Exception as error:  # counted: a stream must not break
+            how = f"broken ({type(error).__name__})"
+        finally:
+            if not told:
+                first_events.release()
+            ended.append(how)
+
+    threads = [threading.Thread(target=stream, args=(index,), daemon=True) for index in range(streams)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        first_events.acquire(timeout=120)
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(stall)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    returned, answer_seconds = time.monotonic(), None
+    while answer_seconds is None and time.monotonic() - returned < 60:
+        with contextlib.suppress(Exception):
+            if (
+                probes.http.post(
+                    "/v1/completions", json={"model": model_id, **VALID_COMPLETION}, timeout=30
+                ).status_code
+                == 200
+            ):
+                answer_seconds = time.monotonic() - returned
+    for thread in threads:
+        thread.join(300)
+    return {
+        "streams": streams,
+        "stall_seconds": stall,
+        "ended": dict(Counter(ended)),
+        "new_answer_seconds_after_return": None if answer_seconds is None else round(answer_seconds, 2),
+    }
+
+
 # ---- the report ---------------------------------------------------------------------------------
 
 
@@ -488,7 +859,30 @@ def checks(report: dict) -> list[tuple[str, bool]]:
            fault["output_equals_local"] and fault["recovery_seconds"] is not None and fault["recovery_seconds"] < 10)
           for name, fault in faults.items()),
         *trust_checks(report["trust"]),
+        *api_checks(report["api"]),
     ]  # fmt: skip
+
+
+def api_checks(api: dict) -> list[tuple[str, bool]]:
+    outcomes = api["outcomes"]
+    bad = [name for name in outcomes if "BAD" in name or "FAILED" in name]
+    checks = [
+        ("API: every malformed request a 4xx in OpenAI's shape, no traceback or path", not bad),
+        ("API: every valid request served", any(name.startswith("valid") for name in outcomes)),
+        ("API: process up, no generation place or WebSocket session left held",
+         not api["api_crashed"] and api["places_left_held"] == 0 and api["websocket_sessions_left_open"] == 0),
+        ("API: no leaked KV cache", api["leaked_cache_tokens"] == 0),
+    ]  # fmt: skip
+    if "stall" in api:
+        stall = api["stall"]
+        every_stream_ended = sum(
+            stall["ended"].get(how, 0) for how in ("tokens to the end", "an error event")
+        )
+        checks.append(
+            ("API: the only server stopped 8 s during 32 streams: every stream ended, a new answer within 30 s",
+             every_stream_ended == stall["streams"] and (stall["new_answer_seconds_after_return"] or 99) <= 30)
+        )  # fmt: skip
+    return checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,6 +904,12 @@ def main(argv: list[str] | None = None) -> int:
             # the short (CI) version leaves faults to tests/test_client_faults.py, which CI runs too
             "faults": {} if args.short else run_faults(model_path, 32),
             "trust": run_trust(model_path, args.seed, 8 if args.short else 32, PREFIX),
+            "api": run_api_probes(
+                args.seed,
+                200 if args.short else 1000,
+                250_000 if args.short else 1_000_000,
+                stall=not args.short,
+            ),
         }
     report["checks"] = [{"check": name, "met": met} for name, met in checks(report)]
     print(json.dumps(report, indent=2))

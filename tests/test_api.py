@@ -314,8 +314,9 @@ def test_http_generate_v1_takes_form_fields_like_the_original(api_url, reference
         f"{api_url}/api/v1/generate", data={"inputs": "A cat sat on", "max_new_tokens": "5"}, timeout=60
     )
     assert response.json() == {"ok": True, "outputs": expected}
-    refused = httpx2.post(f"{api_url}/api/v1/generate", json={"inputs": "A cat"}, timeout=60).json()
-    assert refused["ok"] is False and "max_new_tokens or max_length" in refused["traceback"]
+    refused = httpx2.post(f"{api_url}/api/v1/generate", json={"inputs": "A cat"}, timeout=60)
+    assert refused.status_code == 400  # the original answered 200; its body is kept
+    assert refused.json()["ok"] is False and "max_new_tokens or max_length" in refused.json()["traceback"]
 
 
 @pytest.mark.slow

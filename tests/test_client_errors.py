@@ -7,26 +7,30 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm
-from petals.client.routing import MissingBlocksError
+from petals.client.routing import MissingBlocksError, RouteBanned, ban_seconds, judge_failure
 from petals.network.client import SwarmUnreachableError
 from petals.plugins import UnknownModelTypeError
 
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path):
+    """Two servers of all 4 blocks; tests that need the only server of some blocks allow one of them."""
     path = tiny_model_path("llama")
-    with inprocess_swarm(path, "0:4", server_args=("--inference_max_length", "64")) as (dht, _):
-        yield path, dht.initial_peers
+    servers = ("0:4", "0:4")
+    with inprocess_swarm(path, *servers, server_args=("--inference_max_length", "64")) as (dht, running):
+        yield path, dht.initial_peers, [server.peer_id for server in running]
 
 
 def test_missing_blocks_name_the_prefix_and_block(swarm):
-    path, peers = swarm
+    path, peers, _ = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, dht_prefix="nobody-serves-this", **LOOPBACK_CLIENT
     )
@@ -35,7 +39,7 @@ def test_missing_blocks_name_the_prefix_and_block(swarm):
 
 
 def test_an_adapter_no_server_has_is_named_with_the_block(swarm):
-    path, peers = swarm
+    path, peers, _ = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, active_adapter="my-lora", max_retries=None, **LOOPBACK_CLIENT
     )
@@ -47,28 +51,88 @@ def test_an_adapter_no_server_has_is_named_with_the_block(swarm):
     model.close()
 
 
-def test_a_request_waits_for_the_ban_of_the_only_server_to_end(swarm):
-    """A server banned after a failure is the only one for its blocks: the next request waits for its
-    ban to end (``ban_timeout``) and is served, instead of failing with MissingBlocksError at once."""
-    path, peers = swarm
+def test_the_only_server_of_some_blocks_is_used_though_banned(swarm):
+    """A ban only steers routes to other servers: the only server of some blocks (here the one this client
+    may use), banned after a failure while it had company, still serves the next request at once. A server
+    caught lying is banned for good: nothing to wait for."""
+    path, peers, (only, _) = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, allowed_servers=[only], **LOOPBACK_CLIENT
+    )
+    expected = model(torch.tensor([[5, 6, 7]])).logits
+    manager = model.remote_blocks.manager
+    (peer,) = manager.spans
+    manager.on_request_failure(peer)  # as after a failed request, when another server held these blocks
+    assert manager.bans[peer].until > time.monotonic() and manager.usable_spans() == [manager.spans[peer]]
+    torch.testing.assert_close(model(torch.tensor([[5, 6, 7]])).logits, expected)
+    span = manager.spans[peer]
+    manager.suspects.accuse(peer, span, "a lie")  # banned for good: nothing to wait for
+    with pytest.raises(MissingBlocksError, match="wrong outputs") as refused:
+        model(torch.tensor([[5, 6, 7]]))
+    assert not isinstance(refused.value, RouteBanned)
+    model.close()
+
+
+def test_a_route_whose_servers_are_all_banned_is_refused_at_once_then_served(swarm):
+    """Both servers of the blocks failed lately and are banned: the request is refused at once with
+    ``RouteBanned``, which says when the first ban ends, instead of sleeping through the ban; once it has
+    ended, the request is served."""
+    path, peers, _ = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, ban_timeout=1.0, **LOOPBACK_CLIENT
     )
     expected = model(torch.tensor([[5, 6, 7]])).logits
     manager = model.remote_blocks.manager
-    (peer,) = manager.spans
-    manager.on_request_failure(peer)  # as after a failed request
+    for peer in list(manager.spans):
+        manager.on_request_failure(peer)
     assert manager.usable_spans() == []
-    torch.testing.assert_close(model(torch.tensor([[5, 6, 7]])).logits, expected)
-    span = manager.spans[peer]
-    manager.suspects.accuse(peer, span, "a lie")  # banned for good: nothing to wait for
-    with pytest.raises(MissingBlocksError, match="wrong outputs"):
+    with pytest.raises(RouteBanned, match=r"banned for now; retry in 1 s") as refused:
         model(torch.tensor([[5, 6, 7]]))
+    assert 0 < refused.value.retry_after <= 1.0
+    time.sleep(refused.value.retry_after)
+    torch.testing.assert_close(model(torch.tensor([[5, 6, 7]])).logits, expected)
+    model.close()
+
+
+def test_the_only_server_of_its_blocks_is_waited_for_not_banned(swarm):
+    """A failure of the only server of some blocks is retried after the backoff: a ban could only turn
+    its stall into an outage. With a second server, the failed one is banned and routed around."""
+    path, peers, (only, _) = swarm
+    for allowed, banned in (([only], False), (None, True)):
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=peers, allowed_servers=allowed, min_backoff=0.01, **LOOPBACK_CLIENT
+        )
+        manager = model.remote_blocks.manager
+        model(torch.tensor([[5, 6, 7]]))
+        peer = PeerID.from_base58(only)
+        assert manager.only_server(peer) is not banned
+        model.remote_blocks.network.run(manager.handle_failure(TimeoutError("stalled"), peer, attempt=1))
+        assert (peer in manager.bans) is banned
+        model.close()
+
+
+def test_bans_are_capped_and_one_stall_is_one_failure(swarm):
+    """Bans double per failure up to a minute; the failures of requests that were in flight when a
+    server was banned (32 sessions hit by one stall) do not ban it again."""
+    assert [ban_seconds(15, failures) for failures in (1, 2, 3, 4, 40, 10_000)] == [15, 30, 60, 60, 60, 60]
+    assert judge_failure(TimeoutError(), only_server=False) == (True, True)
+    assert judge_failure(TimeoutError(), only_server=True) == (True, False)
+    path, peers, _ = swarm
+    model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=peers, **LOOPBACK_CLIENT
+    )
+    manager = model.remote_blocks.manager
+    model(torch.tensor([[5, 6, 7]]))
+    peer = next(iter(manager.spans))
+    for _ in range(32):
+        manager.on_request_failure(peer)
+    assert manager.bans[peer].failures == 1
+    assert manager.bans[peer].until - time.monotonic() <= model.config.ban_timeout
     model.close()
 
 
 def test_max_length_beyond_every_server_is_refused(swarm):
-    path, peers = swarm
+    path, peers, _ = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, **LOOPBACK_CLIENT
     )
@@ -96,7 +160,7 @@ def test_model_type_without_plugin(tmp_path):
 
 def test_leaving_the_swarm_prints_no_pending_task_warnings(swarm):
     """WireClient.close() and a model left open at exit shut their loops and daemons down cleanly."""
-    path, peers = swarm
+    path, peers, _ = swarm
     script = textwrap.dedent(
         """
         import sys, torch, petals
@@ -129,7 +193,6 @@ def test_a_streamed_answer_that_ends_early_is_a_server_fault_to_retry_elsewhere(
     server, not a ValueError that ends the user's call."""
     from hivemind.proto import runtime_pb2
 
-    from petals.client.routing import judge_failure
     from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions, leave_network
     from petals.network.rpc import call_chain, protocol
     from petals.wire import MAX_UNARY_PAYLOAD_SIZE, serialize_tensor, split_tensor

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria
 
 import petals
 from conftest import LOOPBACK_CLIENT, running_swarm, swarm_with_processes
+from petals.client.inference_session import SessionCancelled
 from petals.client.measurements import ServerMeasurements
 from petals.client.routing import RequestRefused
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState
@@ -112,7 +113,7 @@ def test_deadlines_follow_observed_latency_and_announced_speed():
     assert deadlines.deadline(fresh, 1) == pytest.approx(5.0)
     assert deadlines.deadline(_span(fresh.peer_id, 0, 2, throughput=0.0), 8) == pytest.approx(40.0)
     assert deadlines.deadline(fresh, 1, replaceable=False) == 180.0  # nowhere else to go: no hurry
-    assert deadlines.deadline(timed, 1, replaceable=False) == pytest.approx(5.0)  # timed: as usual
+    assert deadlines.deadline(timed, 1, replaceable=False) == 180.0  # timed too: a stall is waited out
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,56 @@ def test_one_model_serves_many_threads(shared_model):
     assert not errors, errors
     assert all(torch.equal(result, expected) for result, expected in zip(results, solo, strict=True))
     assert not model.remote_blocks.manager.bans
+
+
+STALL = 7.0  # seconds: longer than the floor of a timed server's step deadline (min_step_timeout, 5 s)
+
+
+def test_a_stall_of_the_only_server_is_waited_out_and_bans_nobody(shared_model):
+    """The only server of blocks 2:4, timed by earlier steps, stops for longer than its usual deadline:
+    the step waits for it (the only server always gets ``request_timeout``) on the same server sessions,
+    with no failover, and nobody is banned."""
+    model, servers = shared_model
+    hidden_size = model.config.hidden_size
+    stalled = servers[1]
+    with model.inference_session(max_length=16) as session:
+        for _ in range(4):
+            session.step(torch.randn(1, 1, hidden_size))
+        opened = [server_session.session_id for server_session in session._sessions]
+        stalled.process.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(STALL, stalled.process.send_signal, args=(signal.SIGCONT,))
+        resume.start()
+        try:
+            assert session.step(torch.randn(1, 1, hidden_size)).shape == (1, 1, hidden_size)
+        finally:
+            resume.cancel()
+            stalled.process.send_signal(signal.SIGCONT)
+        assert [server_session.session_id for server_session in session._sessions] == opened
+    assert not model.remote_blocks.manager.bans
+
+
+def test_a_step_waiting_for_a_stopped_server_ends_when_its_session_is_cancelled(shared_model):
+    """``cancel`` from another thread (an API whose client left) ends a step that waits for a stopped
+    server at once, and refuses the session's later steps."""
+    model, servers = shared_model
+    hidden_size = model.config.hidden_size
+    stalled = servers[1]
+    with model.inference_session(max_length=16) as session:
+        session.step(torch.randn(1, 1, hidden_size))
+        stalled.process.send_signal(signal.SIGSTOP)
+        try:
+            threading.Timer(1.0, session.cancel).start()
+            started = time.monotonic()
+            with pytest.raises(SessionCancelled):
+                session.step(torch.randn(1, 1, hidden_size))
+            assert time.monotonic() - started < 60  # not the 180 s the stopped server would be waited
+            with pytest.raises(SessionCancelled):
+                session.step(torch.randn(1, 1, hidden_size))
+        finally:
+            stalled.process.send_signal(signal.SIGCONT)
+    assert not model.remote_blocks.manager.bans
+    with model.inference_session(max_length=4) as session:  # the model goes on serving
+        assert session.step(torch.randn(1, 2, hidden_size)).shape == (1, 2, hidden_size)
 
 
 def test_a_refused_request_fails_fast_and_bans_nobody(shared_model):

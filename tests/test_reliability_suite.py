@@ -1,4 +1,5 @@
-"""The short version of ``make reliability`` runs in CI: no crash, no leak, no client error."""
+"""The short version of ``make reliability`` runs in CI: no crash, no leak, no client error, and
+``petals api`` answers 200 probes (malformed, valid, leaving) cleanly."""
 
 import json
 import subprocess
@@ -25,4 +26,7 @@ def test_short_reliability_suite_meets_every_check(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["malformed"]["requests"] == 300 and not report["malformed"]["server_crashed"]
     assert sum(report["malformed"]["outcomes"].values()) == 300 + report["malformed"]["dht_records"]
+    api = report["api"]
+    assert api["requests"] == 200 and not api["api_crashed"]
+    assert sum(api["outcomes"].values()) == 200  # every probe answered, the API up throughout
     assert report["checks"] and all(check["met"] for check in report["checks"])

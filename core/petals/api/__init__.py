@@ -6,7 +6,9 @@
 - ``static/index.html``: a chat page at ``/`` streaming from ``/v1/chat/completions``
 - ``service``: the one client model behind them, generation in worker threads, streamed to asyncio
 - ``text``: decoded text of a growing token sequence, with stop strings across token boundaries
-- ``app``: the ASGI application (FastAPI on uvicorn): routes, bearer-token auth, body size cap
+- ``guard``: who may use it: the Host header (against DNS rebinding), the Origin of web pages, the API key
+- ``errors``: errors in OpenAI's shape, and the one mapping from a generation's failure to a status
+- ``app``: the ASGI application (FastAPI on uvicorn): routes, the guard, body size cap, error handlers
 
 Everything here uses the public client API only (``AutoDistributedModelForCausalLM``,
 ``inference_session``, ``generate``): one inference session per request or WebSocket connection.

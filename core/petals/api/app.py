@@ -1,32 +1,54 @@
 """The ASGI application of ``petals api`` (FastAPI) and how it is served (uvicorn).
 
-Two plain ASGI middlewares stand in front of every route: a bearer-token check when an API key is
-set (the chat page at ``/`` itself stays public: it asks for the key), and a cap on request bodies,
-read and counted before any route sees them.
+Two plain ASGI middlewares stand in front of every route: the guard (``guard``: the Host header, the
+page a request comes from, the API key; the chat page at ``/`` itself stays public: it asks for the
+key), and a cap on request bodies, read and counted before any route sees them. Every error, FastAPI's
+own 404, 405 and validation errors included, answers in OpenAI's shape (``errors``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
-import json
+import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from petals.api.chat_api import chat_api_router
-from petals.api.openai_routes import APIError, openai_router
+from petals.api.errors import APIError, send_error
+from petals.api.guard import ASGIApp, Guard, GuardMiddleware
+from petals.api.openai_routes import openai_router
 from petals.api.service import ModelService
 from petals.client.suspects import Suspects
 
-ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
-PUBLIC_PATHS = {"/", "/favicon.ico"}
+logger = logging.getLogger(__name__)
+
+
+def service_metrics(service: ModelService) -> str:
+    """How many generations and WebSocket sessions hold a place now, in Prometheus' text format."""
+    gauges = [
+        (
+            "petals_api_requests_in_progress",
+            "Generations running or waiting for the swarm",
+            service.in_progress,
+        ),
+        (
+            "petals_api_websocket_sessions",
+            "Open WebSocket sessions of the Petals chat API",
+            service.chat_sessions,
+        ),
+    ]
+    return "".join(
+        f"# HELP {name} {text}\n# TYPE {name} gauge\n{name} {places.taken}\n{name}_limit {places.limit}\n"
+        for name, text, places in gauges
+    )
 
 
 def verification_metrics(suspects: Suspects) -> str:
@@ -53,7 +75,8 @@ def verification_metrics(suspects: Suspects) -> str:
     )
 
 
-def create_app(service: ModelService, api_key: str | None = None) -> ASGIApp:
+def create_app(service: ModelService, guard: Guard | None = None) -> ASGIApp:
+    """The application: routes, error handlers and, in front of them, ``guard`` and the body cap."""
     app = FastAPI(title="petals api", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(openai_router(service))
     app.include_router(chat_api_router(service))
@@ -65,14 +88,14 @@ def create_app(service: ModelService, api_key: str | None = None) -> ASGIApp:
 
     @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
     async def metrics() -> str:
-        return verification_metrics(service.model.remote_blocks.manager.suspects)
+        return service_metrics(service) + verification_metrics(service.model.remote_blocks.manager.suspects)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    guarded: ASGIApp = _BodyLimit(app, service.limits.max_request_bytes)
-    if api_key:
-        guarded = _BearerAuth(guarded, api_key)
-    return guarded
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    limited = _BodyLimit(app, service.limits.max_request_bytes)
+    return GuardMiddleware(limited, guard or Guard())
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -80,41 +103,33 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    problems = []
+    """A 400 naming every invalid field (``param``: the first one), or where the JSON breaks."""
+    problems, params = [], []
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"] if part != "body")
+        if item["type"] == "json_invalid":
+            problems.append(f"the body is not valid JSON ({item.get('ctx', {}).get('error', 'malformed')})")
+            continue
+        fields = [str(part) for part in item["loc"][1:]] if item["loc"][:1] == ("body",) else []
+        params.append(fields[0] if fields and not fields[0].isdigit() else None)
+        where = ".".join(fields)
         problems.append(f"{where}: {item['msg']}" if where else item["msg"])
-    first = error.errors()[0]["loc"] if error.errors() else ()
-    param = str(first[1]) if len(first) > 1 else None
+    param = next((name for name in params if name), None)
     return APIError(400, "invalid request: " + "; ".join(problems), param=param).response()
 
 
-async def _send_error(send: Callable, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's own errors (no such route: 404, a wrong method: 405) in OpenAI's shape."""
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    headers = dict(error.headers or {})  # a 405's Allow
+    return APIError(error.status_code, message, code=codes.get(error.status_code), headers=headers).response()
 
 
-class _BearerAuth:
-    """``Authorization: Bearer <key>`` on every HTTP request and WebSocket except the chat page."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                return await self._refuse(scope, send)
-        await self.app(scope, receive, send)
-
-    async def _refuse(self, scope: dict, send: Callable) -> None:
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
-            return
-        message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-        await _send_error(send, APIError(401, message, code="invalid_api_key"))
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A route's unexpected failure: logged with its traceback, answered without it."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    message = "an internal error of petals api; its log has the details"
+    return APIError(500, message, type="server_error", code="internal_error").response()
 
 
 class _BodyLimit:
@@ -144,7 +159,7 @@ class _BodyLimit:
 
     async def _refuse(self, send: Callable) -> None:
         message = f"the request body exceeds {self.limit} bytes (petals api --max_request_bytes)"
-        await _send_error(send, APIError(413, message, code="request_too_large"))
+        await send_error(send, APIError(413, message, code="request_too_large"))
 
 
 def _replay(body: bytes, receive: Callable) -> Callable:

@@ -2,8 +2,9 @@
 
 ``POST /api/v1/generate`` (form or JSON fields: ``inputs``, ``max_length`` or ``max_new_tokens``,
 ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``) answers
-``{"ok": true, "outputs": ...}`` or ``{"ok": false, "traceback": ...}`` (here: a one-line error, no
-server internals).
+``{"ok": true, "outputs": ...}``. Its errors keep the original's body, ``{"ok": false, "traceback": ...}``
+(here a one-line message, no server internals), which its clients read, and add OpenAI's ``error``
+object beside it, with a 4xx/5xx status instead of the original's 200.
 
 WebSocket ``/api/v2/generate``: first ``{"type": "open_inference_session", "max_length": N}``
 (answered ``{"ok": true}``), then any number of ``{"type": "generate", "inputs": ..., ...}`` turns in
@@ -13,7 +14,15 @@ is answered once, with all its outputs; with one, tokens stream as ``{"ok", "out
 session continues as if ``stop_sequence``, a single token, had been generated). Outputs keep special
 tokens and stop sequences, as the original's did; its front-ends strip them. A turn that would
 exceed the session's ``max_length`` fails with "Maximum length exceeded" (front-ends reopen a longer
-session on that message).
+session on that message). A keyed API takes the key in the first message (``"api_key"``) where the
+client sends no ``Authorization`` header (a browser cannot, on a WebSocket). An error ends the session
+with ``{"ok": false, "traceback", "error"}``, except a turn refused because the API is busy, which the
+client may send again.
+
+Values are checked strictly, as the original's front-ends send them (numbers, or strings from a form):
+``"3"`` is a number in a form, ``3.5`` is no integer, NaN and infinities are refused, stop sequences
+are capped. A session holds a generation place only while a turn runs, so idle chats never make
+other requests wait.
 """
 
 from __future__ import annotations
@@ -22,18 +31,26 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import queue
+import re
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import JSONResponse
 
-from petals.api.service import Events, Finished, ModelService, Sampling
-from petals.api.text import StreamingText
+from petals.api.errors import APIError, Cancelled, ServiceBusyError, generation_error
+from petals.api.guard import KEY_CHECK
+from petals.api.service import Events, Finished, ModelService, Sampling, cancel_on_disconnect
+from petals.api.text import MAX_STOP_LENGTH, StreamingText
 
 logger = logging.getLogger(__name__)
 
 _CLOSE = None  # the command that ends a WebSocket's worker
 _OPENED = "inference session opened"  # the worker's first event
+MAX_EXTRA_STOP_SEQUENCES = 16
+_INTEGER = re.compile(r"[+-]?\d{1,30}")
 
 
 class ChatAPIError(ValueError):
@@ -44,15 +61,39 @@ class ChatAPIError(ValueError):
 
 
 def _typed(fields: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """``fields[name]`` as ``kind`` (int, float or bool), strictly; ``default`` when absent or empty."""
     value = fields.get(name)
     if value is None or value == "":
         return default
-    try:
-        if kind is bool and isinstance(value, str):
-            return bool(int(value)) if value.isdigit() else value.lower() == "true"
-        return kind(value)
-    except (TypeError, ValueError) as error:
-        raise ChatAPIError(f"{name} must be {kind.__name__}, got {value!r}") from error
+    parsed = _parse_form_value(value, kind) if isinstance(value, str) else value
+    if kind is bool and parsed in (0, 1) and not isinstance(parsed, float):
+        return bool(parsed)
+    if kind is int and isinstance(parsed, int) and not isinstance(parsed, bool):
+        return parsed
+    if kind is float and isinstance(parsed, int | float) and not isinstance(parsed, bool):
+        if math.isfinite(parsed):
+            return float(parsed)
+    expected = {int: "a whole number", float: "a finite number", bool: "true, false, 0 or 1"}[kind]
+    raise ChatAPIError(f"{name} must be {expected}, got {_shown(value)}")
+
+
+def _parse_form_value(value: str, kind: type) -> Any:
+    """A form field's text as ``kind``; the text itself where it is none (the caller refuses it)."""
+    text = value.strip().lower()
+    if kind is bool:
+        return {"true": True, "false": False, "1": True, "0": False}.get(text, value)
+    if _INTEGER.fullmatch(text):
+        return int(text)
+    if kind is float:
+        with contextlib.suppress(ValueError):
+            return float(text)
+    return value
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message quotes it: short, whatever it is."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _sampling(fields: dict[str, Any]) -> Sampling:
@@ -91,41 +132,71 @@ def _check_model(fields: dict[str, Any], service: ModelService) -> ModelService:
     served = service if model is None else service.for_model(str(model))
     if served is None:
         names = ", ".join(repr(each.model_id) for each in service.served)
-        raise ChatAPIError(f"model {model!r} is not served here; this server serves {names}")
+        raise ChatAPIError(f"model {_shown(model)} is not served here; this server serves {names}")
     return served
 
 
-def _error(error: BaseException) -> dict[str, Any]:
-    return {"ok": False, "traceback": f"{type(error).__name__}: {error}"}
+def _stop_sequences(fields: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """``stop_sequence`` and ``extra_stop_sequences``, checked and capped."""
+    stop = fields.get("stop_sequence")
+    if stop is not None and not isinstance(stop, str):
+        raise ChatAPIError(f"stop_sequence must be a string, got {_shown(stop)}")
+    extra = fields.get("extra_stop_sequences") or []
+    if not isinstance(extra, list) or not all(isinstance(item, str) for item in extra):
+        raise ChatAPIError("extra_stop_sequences must be a list of strings")
+    if len(extra) > MAX_EXTRA_STOP_SEQUENCES:
+        raise ChatAPIError(f"at most {MAX_EXTRA_STOP_SEQUENCES} extra_stop_sequences are allowed")
+    if any(len(item) > MAX_STOP_LENGTH for item in [stop or "", *extra]):
+        raise ChatAPIError(f"a stop sequence may have at most {MAX_STOP_LENGTH} characters")
+    return stop, extra
+
+
+def _answer(error: BaseException) -> APIError:
+    """How a failed request is answered (``_body``): its own message if the chat API refused it."""
+    return APIError(400, str(error)) if isinstance(error, ChatAPIError) else generation_error(error)
+
+
+def _body(answer: APIError) -> dict[str, Any]:
+    """The original's ``{"ok": false, "traceback"}`` (one line here), with OpenAI's ``error`` beside it."""
+    return {"ok": False, "traceback": answer.message, **answer.body()}
 
 
 # ---- POST /api/v1/generate -----------------------------------------------------------------------
 
 
 async def _request_fields(request: Request) -> dict[str, Any]:
-    if request.headers.get("content-type", "").startswith("application/json"):
-        fields = await request.json()
-        if not isinstance(fields, dict):
-            raise ChatAPIError("the JSON body must be an object")
-        return fields
-    form = await request.form()
-    return {**request.query_params, **form}
+    try:
+        if request.headers.get("content-type", "").startswith("application/json"):
+            fields = await request.json()
+        else:
+            form = await request.form()
+            fields = {**request.query_params, **form}
+    except Exception as error:  # JSON or a form that does not parse (json, multipart: errors of their own)
+        raise ChatAPIError(f"the body is neither a JSON object nor a form: {_shown(str(error))}") from error
+    if not isinstance(fields, dict):
+        raise ChatAPIError("the JSON body must be an object")
+    return fields
 
 
-async def _generate_once(service: ModelService, fields: dict[str, Any]) -> str:
+async def _generate_once(service: ModelService, fields: dict[str, Any], request: Request) -> str:
     service = _check_model(fields, service)
     inputs = fields.get("inputs")
     if not isinstance(inputs, str) or not inputs:
         raise ChatAPIError("pass the prompt as inputs")
-    prompt_ids = service.encode_text(inputs)
+    prompt_ids = await asyncio.to_thread(service.encode_text, inputs)
     max_new_tokens = _max_new_tokens(fields, len(prompt_ids), service)
-    service.check_length(len(prompt_ids), max_new_tokens)
+    try:
+        service.check_length(len(prompt_ids), max_new_tokens)
+    except ValueError as error:
+        raise ChatAPIError(str(error)) from error
     text = StreamingText(service.tokenizer, skip_special_tokens=False)
     events = service.stream(prompt_ids, max_new_tokens, _sampling(fields), text)
+    watcher = asyncio.ensure_future(cancel_on_disconnect(request.receive, events))
     try:
         while not isinstance(await events.get(), Finished):
             pass
     finally:
+        watcher.cancel()
         events.cancel()
     return text.text
 
@@ -134,28 +205,33 @@ async def _generate_once(service: ModelService, fields: dict[str, Any]) -> str:
 
 
 class _Turn:
-    """One ``generate`` message, checked, as the worker thread runs it."""
+    """One ``generate`` message, checked (``parse``), as the worker thread runs it."""
 
     def __init__(self, fields: dict[str, Any], service: ModelService) -> None:
+        """Checks every value of ``fields`` (``parse`` then tokenizes the inputs)."""
         if fields.get("type") != "generate":
-            raise ChatAPIError(f"expected a message of type 'generate', got {fields.get('type')!r}")
-        inputs = fields.get("inputs")
-        if inputs is not None and not isinstance(inputs, str):
+            raise ChatAPIError(f"expected a message of type 'generate', got {_shown(fields.get('type'))}")
+        self.inputs = fields.get("inputs")
+        if self.inputs is not None and not isinstance(self.inputs, str):
             raise ChatAPIError("inputs must be a string")
-        self.input_ids = service.encode_text(inputs) if inputs else []
-        self.fields = fields
-        self.sampling = _sampling(fields)
-        self.stop_sequence = fields.get("stop_sequence")
-        extra = fields.get("extra_stop_sequences") or []
-        if not isinstance(extra, list) or not all(isinstance(item, str) for item in extra):
-            raise ChatAPIError("extra_stop_sequences must be a list of strings")
-        self.extra_stop_sequences = extra
-        self.continuation: int | None = None
-        if extra:
+        self.fields, self.sampling = fields, _sampling(fields)
+        self.stop_sequence, self.extra_stop_sequences = _stop_sequences(fields)
+        self.continuation: int | None = None  # what the session holds after an extra stop sequence
+        if self.extra_stop_sequences:
             ids = service.encode_text(self.stop_sequence or "", add_special_tokens=False)
             if len(ids) != 1:
                 raise ChatAPIError("extra_stop_sequences need a stop_sequence of exactly one token")
             self.continuation = ids[0]
+        self.input_ids: list[int] = []
+        self.release: Callable[[], None] = lambda: None  # gives the turn's generation place back
+
+    @classmethod
+    async def parse(cls, fields: dict[str, Any], service: ModelService) -> _Turn:
+        """The turn of ``fields``, checked, its inputs tokenized off the event loop."""
+        turn = cls(fields, service)
+        if turn.inputs:
+            turn.input_ids = await asyncio.to_thread(service.encode_text, turn.inputs)
+        return turn
 
 
 class _ChatSession:
@@ -168,11 +244,18 @@ class _ChatSession:
     def run(self, events: Events) -> None:
         with self.service.session(self.max_length, events) as session:
             events.put(_OPENED)
-            while (turn := self.commands.get()) is not _CLOSE and not events.cancelled.is_set():
-                events.put(self._turn(session, turn, events))
+            while (turn := self.commands.get()) is not _CLOSE:
+                try:
+                    if events.cancelled.is_set():
+                        raise Cancelled  # the last event: nobody waits for this turn forever
+                    events.put(self._turn(session, turn, events))
+                finally:
+                    turn.release()
 
     def _turn(self, session, turn: _Turn, events: Events) -> Finished:
         used = 0 if session.output_ids is None else session.output_ids.shape[1]
+        if used == 0 and not turn.input_ids:
+            raise ChatAPIError("the first turn of a session needs inputs")
         left = self.max_length - used - len(turn.input_ids)
         if turn.stop_sequence is None:
             max_new_tokens = _max_new_tokens(turn.fields, used + len(turn.input_ids), self.service)
@@ -195,19 +278,66 @@ class _ChatSession:
         return finished
 
 
-async def _receive(websocket: WebSocket, timeout: float) -> dict[str, Any]:
-    try:
-        message = json.loads(await asyncio.wait_for(websocket.receive_text(), timeout))
-    except json.JSONDecodeError as error:
-        raise ChatAPIError(f"messages must be JSON: {error}") from error
-    if not isinstance(message, dict):
-        raise ChatAPIError("messages must be JSON objects")
-    return message
+class _ClientLeft(Exception):
+    """The WebSocket's client closed the connection."""
 
 
-async def _opening(websocket: WebSocket, service: ModelService) -> tuple[ModelService, int]:
+class _Inbox:
+    """The WebSocket's messages, read as they arrive, so that a client leaving is noticed at once, also
+    while a turn generates (``on_leave``). One message waits at most: a client that sends faster is
+    not read from until the turns catch up."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=1)
+        self._on_leave: list[Callable[[], None]] = []
+        self._reader = asyncio.ensure_future(self._read(websocket))
+
+    async def _read(self, websocket: WebSocket) -> None:
+        try:
+            while (message := await websocket.receive())["type"] != "websocket.disconnect":
+                await self._messages.put(message)
+        except Exception as error:  # the connection broke: as if the client had left
+            logger.debug("WebSocket read failed: %s", error)
+        finally:
+            for callback in self._on_leave:
+                callback()
+            self._on_leave = []
+            while not self._messages.empty():  # what a client that left still had to say is moot
+                self._messages.get_nowait()
+            self._messages.put_nowait(None)
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        if self._reader.done():
+            callback()
+        else:
+            self._on_leave.append(callback)
+
+    async def next(self, timeout: float) -> dict[str, Any]:
+        """The next message as a JSON object; ``TimeoutError`` after ``timeout`` idle seconds."""
+        message = await asyncio.wait_for(self._messages.get(), timeout)
+        if message is None:
+            raise _ClientLeft
+        if message.get("text") is None:
+            raise ChatAPIError("messages must be text frames holding JSON objects, not binary ones")
+        try:
+            fields = json.loads(message["text"])
+        except json.JSONDecodeError as error:
+            raise ChatAPIError(f"messages must be JSON: {error}") from error
+        if not isinstance(fields, dict):
+            raise ChatAPIError("messages must be JSON objects")
+        return fields
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+def _opening(
+    fields: dict[str, Any], service: ModelService, key_check: Callable | None
+) -> tuple[ModelService, int]:
     """The model and ``max_length`` of the first message, ``open_inference_session``, checked."""
-    fields = await _receive(websocket, service.limits.session_timeout)
+    if key_check is not None and not key_check(fields.get("api_key")):
+        message = "missing or wrong API key: pass it as api_key in the first message"
+        raise APIError(401, message, type="authentication_error", code="invalid_api_key")
     if fields.get("type") != "open_inference_session":
         raise ChatAPIError("the first message must be of type 'open_inference_session'")
     service = _check_model(fields, service)
@@ -233,26 +363,43 @@ async def _stream_turn(websocket: WebSocket, turn: _Turn, events: Events) -> Non
     await websocket.send_json({"ok": True, "outputs": "".join(parts), "stop": True, "token_count": tokens})
 
 
+async def _take_turns(
+    websocket: WebSocket, inbox: _Inbox, service: ModelService, session: _ChatSession, events: Events
+) -> None:
+    """Turn after turn until the client leaves or stays idle too long; a busy API refuses one turn only."""
+    while True:
+        turn = await _Turn.parse(await inbox.next(service.limits.session_timeout), service)
+        try:
+            turn.release = service.reserve()
+        except ServiceBusyError as error:
+            await websocket.send_json(_body(_answer(error)))
+            continue
+        session.commands.put(turn)
+        await _stream_turn(websocket, turn, events)
+
+
 async def _serve_websocket(websocket: WebSocket, service: ModelService) -> None:
+    inbox = _Inbox(websocket)
     events: Events | None = None
     session: _ChatSession | None = None
     try:
-        service, max_length = await _opening(websocket, service)
+        fields = await inbox.next(service.limits.session_timeout)
+        service, max_length = _opening(fields, service, websocket.scope.get(KEY_CHECK))
         session = _ChatSession(service, max_length)
-        events = service.start(session.run)
-        await events.get()  # _OPENED, or the swarm's error raised here
+        events = service.start(session.run, chat_session=True)
+        inbox.on_leave(events.cancel)
+        await events.get()  # _OPENED
         await websocket.send_json({"ok": True})
-        while True:
-            turn = _Turn(await _receive(websocket, service.limits.session_timeout), service)
-            session.commands.put(turn)
-            await _stream_turn(websocket, turn, events)
-    except (TimeoutError, WebSocketDisconnect):
+        await _take_turns(websocket, inbox, service, session, events)
+    except (TimeoutError, _ClientLeft):
         pass
     except Exception as error:
-        logger.info("WebSocket session ended: %s: %s", type(error).__name__, str(error)[:200])
+        answer = _answer(error)
+        logger.info("WebSocket session ended (%d): %s", answer.status, answer.message[:200])
         with contextlib.suppress(Exception):
-            await websocket.send_json(_error(error))
+            await websocket.send_json(_body(answer))
     finally:  # the worker leaves its inference session, which frees the servers' caches
+        inbox.close()
         if events is not None:
             events.cancel()
         if session is not None:
@@ -265,11 +412,13 @@ def chat_api_router(service: ModelService) -> APIRouter:
     router = APIRouter(prefix="/api")
 
     @router.post("/v1/generate")
-    async def generate_v1(request: Request) -> dict[str, Any]:
+    async def generate_v1(request: Request) -> JSONResponse:
         try:
-            return {"ok": True, "outputs": await _generate_once(service, await _request_fields(request))}
+            outputs = await _generate_once(service, await _request_fields(request), request)
         except Exception as error:
-            return _error(error)
+            answer = _answer(error)
+            return answer.response(_body(answer))
+        return JSONResponse({"ok": True, "outputs": outputs})
 
     @router.websocket("/v2/generate")
     async def generate_v2(websocket: WebSocket) -> None:

@@ -1,9 +1,11 @@
 """The OpenAI API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
-Requests are validated before any work (bad parameters: 400, an unknown model: 404), and the first
-event of a generation is awaited before the response starts, so a swarm that lacks blocks is a
-503 naming them rather than a stream that breaks. ``stream: true`` sends server-sent events ending
-with ``data: [DONE]``; a client that disconnects cancels its generation.
+Requests are validated before any work, strictly (``"3"`` is no integer, ``"yes"`` no boolean; bounded
+values out of range are a 400, an unknown model a 404), and prompts are tokenized off the event loop.
+The first event of a generation is awaited before the response starts, so a swarm that lacks blocks is
+a 503 naming them (with ``Retry-After`` where its servers are only banned for now) rather than a stream
+that breaks. ``stream: true`` sends server-sent events ending with ``data: [DONE]``, or with an error
+event; a client that disconnects, before its first token too, cancels its generation.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from petals.api.service import Chunk, Events, Finished, ModelService, Sampling, ServiceBusyError
-from petals.api.text import StreamingText
-from petals.client.routing import MissingBlocksError
-from petals.network.client import SwarmUnreachableError
+from petals.api.errors import APIError, generation_error
+from petals.api.service import Chunk, Events, Finished, ModelService, Sampling, cancel_on_disconnect
+from petals.api.text import MAX_STOP_LENGTH, StreamingText
 
 MAX_STOP_STRINGS = 4
+INT64 = 2**63  # seeds are 64-bit integers (torch.Generator.manual_seed)
 
 # accepted when absent or at their default value only: anything else is refused, not silently ignored
 UNSUPPORTED_UNLESS = {
@@ -44,43 +46,27 @@ UNSUPPORTED_UNLESS = {
 }
 
 
-class APIError(Exception):
-    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
 # ---- requests ------------------------------------------------------------------------------------
 
 
+STRICT = ConfigDict(strict=True)  # no coercion: "3" is no integer, "yes" no boolean
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we need not know ("user", ...)
+    # OpenAI clients send fields we need not know ("user", ...)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
@@ -88,11 +74,15 @@ class _GenerationRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
@@ -134,8 +124,9 @@ def openai_router(service: ModelService) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         served = _check_common(service, body)
-        try:
-            prompt_ids = served.encode_chat([message.as_template_input() for message in body.messages])
+        messages = [message.as_template_input() for message in body.messages]
+        try:  # off the event loop: a long prompt must not stall every other request
+            prompt_ids = await asyncio.to_thread(served.encode_chat, messages)
         except Exception as error:  # jinja template errors: roles out of order, unsupported content
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -144,7 +135,7 @@ def openai_router(service: ModelService) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = _check_common(service, body)
-        prompt_ids = _prompt_ids(served, body.prompt)
+        prompt_ids = await asyncio.to_thread(_prompt_ids, served, body.prompt)
         return await _complete(served, request, body, prompt_ids, body.max_tokens, _completion_format)
 
     return router
@@ -156,7 +147,7 @@ def _model_service(service: ModelService, name: str) -> ModelService:
         names = ", ".join(f"'{each.model_id}'" for each in service.served)
         raise APIError(
             404,
-            f"The model '{name}' does not exist; this server serves {names}",
+            f"The model '{name[:100]}' does not exist; this server serves {names}",
             param="model",
             code="model_not_found",
         )
@@ -170,8 +161,11 @@ def _check_common(service: ModelService, body: _GenerationRequest) -> ModelServi
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED_UNLESS and value not in UNSUPPORTED_UNLESS[name]:
             raise APIError(400, f"the parameter '{name}' is not supported by petals api", param=name)
-    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > MAX_STOP_STRINGS:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
+    if any(len(stop) > MAX_STOP_LENGTH for stop in stops):
+        raise APIError(400, f"a stop sequence may have at most {MAX_STOP_LENGTH} characters", param="stop")
     return served
 
 
@@ -226,16 +220,19 @@ async def _complete(
     text = StreamingText(service.tokenizer, stop)
     try:
         events = service.stream(prompt_ids, max_new_tokens, _sampling(body), text)
-    except ServiceBusyError as error:
-        raise APIError(503, str(error), type="server_error", code="server_busy") from error
+    except Exception as error:  # no place left
+        raise generation_error(error) from error
     reply = _Reply(service.model_id, format)
+    watcher = asyncio.ensure_future(cancel_on_disconnect(request.receive, events))
     try:
         first = await _next(events)  # the swarm's errors become a status code before the response starts
         if not body.stream:
-            return await _collect(reply, events, first, request)
+            return await _collect(reply, events, first)
     except BaseException:
         events.cancel()
         raise
+    finally:
+        watcher.cancel()  # a stream's response watches for the client leaving itself
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
         _server_sent_events(reply, events, first, include_usage),
@@ -247,32 +244,16 @@ async def _complete(
 async def _next(events: Events) -> Chunk | Finished:
     try:
         return await events.get()
-    except MissingBlocksError as error:
-        raise APIError(503, str(error), type="server_error", code="swarm_missing_blocks") from error
-    except SwarmUnreachableError as error:
-        raise APIError(503, str(error), type="server_error", code="swarm_unreachable") from error
     except Exception as error:
-        raise APIError(
-            500, f"generation failed: {type(error).__name__}: {error}", type="server_error"
-        ) from error
+        raise generation_error(error) from error
 
 
-async def _collect(reply: _Reply, events: Events, event: Chunk | Finished, request: Request) -> dict:
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, events))
-    try:
-        parts = []
-        while not isinstance(event, Finished):
-            parts.append(event.text)
-            event = await _next(events)
-        return reply.whole("".join(parts), event)
-    finally:
-        watcher.cancel()
-
-
-async def _cancel_on_disconnect(request: Request, events: Events) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    events.cancel()
+async def _collect(reply: _Reply, events: Events, event: Chunk | Finished) -> dict:
+    parts = []
+    while not isinstance(event, Finished):
+        parts.append(event.text)
+        event = await _next(events)
+    return reply.whole("".join(parts), event)
 
 
 async def _server_sent_events(

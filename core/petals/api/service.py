@@ -2,8 +2,12 @@
 
 torch and the client block, so every generation runs in a thread of its own and hands its events
 (``Chunk`` of text, then ``Finished``, or the exception) to the event loop through ``Events``. The
-consumer's ``cancel`` reaches the worker at its next token: ``generate`` stops, and leaving the
-inference session closes it on every server, which frees their caches.
+consumer's ``cancel`` reaches the worker at once, even while it waits for a server or a backoff (the
+inference session's ``cancel``), or at its next token: ``generate`` stops, and leaving the inference
+session closes it on every server, which frees their caches and the request's place.
+
+Places are counted twice: ``max_in_progress`` generations at a time (a request, or one WebSocket turn),
+and ``max_sessions`` open WebSocket sessions, so that idle chats never keep a generation from running.
 
 Sampling uses a ``torch.Generator`` per request (``SeededSampler``): transformers would draw from
 torch's global generator, which concurrent requests share, so a ``seed`` would reproduce nothing.
@@ -32,23 +36,17 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from petals.api.errors import Cancelled, ServiceBusyError
 from petals.api.text import StreamingText
-
-
-class ServiceBusyError(RuntimeError):
-    """Too many requests are in progress."""
-
-
-class Cancelled(Exception):
-    """The client left before its generation started."""
 
 
 @dataclass(frozen=True)
 class Limits:
     max_new_tokens: int = 1024  # per request (and per WebSocket turn)
     max_request_bytes: int = 1 << 20
-    max_in_progress: int = 64  # requests running or waiting for the model
+    max_in_progress: int = 64  # generations running or waiting for the swarm (requests, WebSocket turns)
     session_timeout: float = 300.0  # a WebSocket session idle longer than this is closed
+    max_sessions: int = 64  # open WebSocket sessions (idle ones hold no generation place)
 
 
 @dataclass(frozen=True)
@@ -84,6 +82,8 @@ class Events:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._on_cancel: list[Callable[[], None]] = []
 
     def put(self, event: Any) -> None:
         """From the worker thread."""
@@ -100,7 +100,44 @@ class Events:
         return event
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        """From the consumer: stop the worker, also where it waits (see ``on_cancel``)."""
+        with self._lock:
+            self.cancelled.set()
+            callbacks, self._on_cancel = self._on_cancel, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """From the worker: call ``callback`` on ``cancel`` (at once if it came already)."""
+        with self._lock:
+            if not self.cancelled.is_set():
+                self._on_cancel.append(callback)
+                return
+        callback()
+
+
+class Places:
+    """At most ``limit`` of something at a time (generations, WebSocket sessions), counted (``/metrics``)."""
+
+    def __init__(self, limit: int, busy: str) -> None:
+        self.limit, self.busy = limit, busy
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def take(self) -> Callable[[], None]:
+        """A place (``ServiceBusyError`` when none is left) and what gives it back (once, however called)."""
+        with self._lock:
+            if self.taken >= self.limit:
+                raise ServiceBusyError(self.busy)
+            self.taken += 1
+        once = threading.Lock()
+
+        def release() -> None:
+            if once.acquire(blocking=False):
+                with self._lock:
+                    self.taken -= 1
+
+        return release
 
 
 class ModelService:
@@ -113,11 +150,20 @@ class ModelService:
         model_id: str,
         limits: Limits,
         aliases: Sequence[str] = (),
-        in_progress: threading.BoundedSemaphore | None = None,
+        places: tuple[Places, Places] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.model_id, self.limits = model, tokenizer, model_id, limits
         self.names = {model_id, *aliases}
-        self._in_progress = in_progress or threading.BoundedSemaphore(limits.max_in_progress)
+        # (generations in progress, open WebSocket sessions): shared with the variants
+        self.in_progress, self.chat_sessions = places or (
+            Places(
+                limits.max_in_progress,
+                f"{limits.max_in_progress} requests are already in progress; retry in a moment",
+            ),
+            Places(
+                limits.max_sessions, f"{limits.max_sessions} WebSocket sessions are already open; retry later"
+            ),
+        )
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.variants: dict[str, ModelService] = {}
@@ -126,7 +172,9 @@ class ModelService:
         """Serve ``model`` (this one with trained prompts) as ``model_id`` too, within the same limits."""
         if self.for_model(model_id) is not None:
             raise ValueError(f"the model name {model_id!r} is already served")
-        variant = ModelService(model, self.tokenizer, model_id, self.limits, in_progress=self._in_progress)
+        variant = ModelService(
+            model, self.tokenizer, model_id, self.limits, places=(self.in_progress, self.chat_sessions)
+        )
         self.variants[model_id] = variant
         return variant
 
@@ -163,12 +211,15 @@ class ModelService:
 
     # ---- running generation --------------------------------------------------------------------
 
-    def start(self, work: Callable[[Events], None]) -> Events:
-        """Run ``work(events)`` in a new thread; its uncaught exception becomes the last event."""
-        if not self._in_progress.acquire(blocking=False):
-            raise ServiceBusyError(
-                f"{self.limits.max_in_progress} requests are already in progress; retry in a moment"
-            )
+    def reserve(self) -> Callable[[], None]:
+        """A generation place, or ``ServiceBusyError``; returns what gives it back."""
+        return self.in_progress.take()
+
+    def start(self, work: Callable[[Events], None], *, chat_session: bool = False) -> Events:
+        """Run ``work(events)`` in a new thread, which holds a generation place (or, for a WebSocket's
+        ``chat_session``, a session place: its turns ``reserve`` their own); its uncaught exception
+        becomes the last event."""
+        release = self.chat_sessions.take() if chat_session else self.reserve()
         events = Events()
 
         def run() -> None:
@@ -177,18 +228,20 @@ class ModelService:
             except BaseException as error:  # delivered to the consumer, which decides what the client sees
                 events.put(error)
             finally:
-                self._in_progress.release()
+                release()
 
         threading.Thread(target=run, name="petals-api-generation", daemon=True).start()
         return events
 
     @contextlib.contextmanager
     def session(self, max_length: int, events: Events) -> Iterator[Any]:
-        """An inference session of the shared model, for this worker thread only."""
+        """An inference session of the shared model, for this worker thread only; ``events.cancel``
+        cancels it, also while a step waits for a server."""
         # the model is thread-safe: every request's thread has sessions of its own, side by side
         if events.cancelled.is_set():  # the client left while waiting for a place
             raise Cancelled
         with self.model.inference_session(max_length=max_length) as session:
+            events.on_cancel(session.cancel)
             yield session
 
     def stream(
@@ -282,3 +335,10 @@ def _eos_token_ids(model, tokenizer) -> list[int]:
     if configured is None:
         return []
     return [configured] if isinstance(configured, int) else list(configured)
+
+
+async def cancel_on_disconnect(receive: Callable[[], Any], events: Events) -> None:
+    """Cancel ``events``' generation when the HTTP client of ``receive`` (ASGI) disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    events.cancel()

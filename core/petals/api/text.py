@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
+# the longest stop string a request may pass: each token compares the text's tail with every prefix of it
+MAX_STOP_LENGTH = 256
 
 
 class StreamingText:

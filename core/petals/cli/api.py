@@ -32,7 +32,26 @@ READY_MESSAGE = "petals api: serving"
     "--api-key",
     envvar="PETALS_API_KEY",
     default=None,
-    help="Require 'Authorization: Bearer KEY' (or set PETALS_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' (or set PETALS_API_KEY); a WebSocket may send it as "
+    "api_key in its first message.",
+)
+@click.option(
+    "--allow_origin",
+    "--allow-origin",
+    "allow_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="Also serve pages from this origin, e.g. https://chat.example.org (repeatable; default: the "
+    "API's own only).",
+)
+@click.option(
+    "--allow_host",
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Also answer requests naming this Host, e.g. behind a proxy (repeatable; IP addresses, "
+    "localhost and --host always are).",
 )
 @click.option(
     "--model_id",
@@ -76,6 +95,8 @@ def api_command(
     port: int,
     loopback: bool,
     api_key: str | None,
+    allow_origins: tuple[str, ...],
+    allow_hosts: tuple[str, ...],
     model_id: str | None,
     max_tokens: int,
     max_request_bytes: int,
@@ -87,6 +108,7 @@ def api_command(
 ) -> None:
     """Serve MODEL's swarm over HTTP: OpenAI API at /v1, Petals chat API at /api, a chat page at /."""
     without_torch_distributed()  # before anything imports transformers' loading code
+    from petals.api.guard import Guard
     from petals.api.service import Limits
 
     limits = Limits(
@@ -98,7 +120,7 @@ def api_command(
         host=host,
         port=port,
         loopback=loopback,
-        api_key=api_key,
+        guard=Guard(api_key, host, allow_hosts, allow_origins),
         model_id=model_id,
         limits=limits,
         dht_prefix=dht_prefix,
@@ -126,7 +148,7 @@ def run_api(
     port: int,
     loopback: bool,
     limits,
-    api_key: str | None = None,
+    guard=None,
     model_id: str | None = None,
     dht_prefix: str | None = None,
     on_ready: Callable[[str, str], None] | None = None,
@@ -135,9 +157,11 @@ def run_api(
     prompts: list[tuple[str, str]] = (),
     tokenizer: str | None = None,
 ) -> None:
-    """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal."""
+    """Load the client model, bind, print where it serves (and ``on_ready(url)``), serve until a signal;
+    ``guard`` (``petals.api.guard.Guard``; default: no key, the API's own pages) says who may use it."""
     try:
         from petals.api.app import bind, create_app, serve
+        from petals.api.guard import Guard
         from petals.api.service import ModelService
     except ImportError as error:
         raise click.ClickException(
@@ -172,7 +196,7 @@ def run_api(
         click.echo(f"{READY_MESSAGE} {model_id} at {url} (OpenAI base URL {url}/v1, chat page {url}/)")
         if on_ready is not None:
             on_ready(url, model_id)
-        serve(create_app(service, api_key), sock, service)
+        serve(create_app(service, guard or Guard(host=host)), sock, service)
     finally:
         distributed.close()
         sock.close()

@@ -7,14 +7,21 @@ current step as its first message, with the deep prompts that came with position
 so the replacement rebuilds exactly the cache the dead server had and answers for the same positions. If the blocks are split over several replacements, each one's replay output is the next
 one's history. Positions never go out of step, so a healthy replacement is never blamed for the
 dead server (Petals issue #587).
+
+A step may wait long (for the only server of some blocks, or a backoff between retries), and the thread
+that runs it cannot be interrupted: ``cancel``, from any thread, ends the step in progress and every
+later one with ``SessionCancelled`` (an API whose client has left frees its place this way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,10 @@ from petals.tracing import NO_TRACE, StepTrace
 logger = logging.getLogger(__name__)
 
 ON_NETWORK_LOOP = "client: on network loop"  # the step's time on the loop thread (serialization, waits)
+
+
+class SessionCancelled(RuntimeError):
+    """The session was cancelled (``InferenceSession.cancel``): its step ended unfinished."""
 
 
 @dataclass
@@ -71,6 +82,18 @@ class InferenceSession:
         self._traced_steps: list[dict[str, float]] = []  # with tracing on: logged when the session closes
         self._last_step_end: float | None = None
         self._verifier = Verifier(manager, manager.config.verify)
+        self._cancelled = False
+        self._running: asyncio.Task | None = None  # the step in progress, on the network loop
+
+    def cancel(self) -> None:
+        """From any thread: end the step in progress, and every later one, with ``SessionCancelled``."""
+        self._cancelled = True
+        with contextlib.suppress(RuntimeError):  # the network has already left: no step can be running
+            self.manager.network.loop.call_soon_threadsafe(self._cancel_running)
+
+    def _cancel_running(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
 
     @property
     def route(self) -> list[RemoteSpanInfo]:
@@ -110,6 +133,8 @@ class InferenceSession:
     ) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("this inference session is closed")
+        if self._cancelled:
+            raise SessionCancelled("this inference session was cancelled")
         if hidden.ndim != 3:
             raise ValueError(
                 f"hidden states must have shape [batch, length, hidden], got {list(hidden.shape)}"
@@ -131,7 +156,7 @@ class InferenceSession:
         prompts = prompts.detach().cpu() if prompts is not None and prompts.numel() else None
         log = tracing.client_log
         if log is None:
-            output = self.manager.network.run(self._step(inputs, prompts, hypo_ids))
+            output = self._run(self._step(inputs, prompts, hypo_ids))
         else:
             output = self._traced_step(log, inputs, prompts, hypo_ids)
         self.position += hidden.shape[1]
@@ -150,7 +175,7 @@ class InferenceSession:
         if self._last_step_end is not None:
             own = started - self._last_step_end - trace.times.get("client: embeddings", 0.0)
             trace.add("client: LM head + generate logic", own)
-        output = self.manager.network.run(self._step(hidden, prompts, hypo_ids, trace))
+        output = self._run(self._step(hidden, prompts, hypo_ids, trace))
         self._last_step_end = time.perf_counter()
         total = self._last_step_end - started
         trace.add("client: thread hand-off", total - trace.times[ON_NETWORK_LOOP])
@@ -158,6 +183,15 @@ class InferenceSession:
         log.steps.append(trace.times)
         self._traced_steps.append(trace.times)
         return output
+
+    def _run(self, step: Coroutine[Any, Any, torch.Tensor]) -> torch.Tensor:
+        """``step`` on the network loop; ``SessionCancelled`` if ``cancel`` ended it."""
+        try:
+            return self.manager.network.run(step)
+        except concurrent.futures.CancelledError:
+            if self._cancelled:
+                raise SessionCancelled("this inference session was cancelled during a step") from None
+            raise
 
     async def _step(
         self,
@@ -167,9 +201,13 @@ class InferenceSession:
         trace: StepTrace = NO_TRACE,
     ) -> torch.Tensor:
         started = trace.now()
+        if self._cancelled:  # cancelled after the step was sent to the loop, before it started
+            raise asyncio.CancelledError
+        self._running = asyncio.current_task()
         try:
             return await self._run_step(hidden, prompts, hypo_ids, trace)
         finally:
+            self._running = None
             trace.add_since(ON_NETWORK_LOOP, started)
 
     async def _run_step(
@@ -191,6 +229,8 @@ class InferenceSession:
         self.manager.refresh_membership_in_background()  # revocations reach this route (may_use below)
         at = ChainPosition()
         while at.block < len(self.manager):
+            if self._cancelled:  # also where a library swallowed the task's cancellation
+                raise asyncio.CancelledError
             try:
                 if at.index == len(self._sessions):
                     self._sessions.extend(await self._open(at.block, len(self.manager), hidden))

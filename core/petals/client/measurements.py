@@ -10,9 +10,10 @@ smoothed step times and rates:
 * deadlines (``deadline``): a timed server waits ``factor`` times its usual step (scaled up for
   steps with more tokens than usual); a server never timed waits ``factor`` times what its
   announced throughput says the step needs, bounded by what the slowest timed server of the same
-  blocks took, and the full ``ceiling`` (``request_timeout``) only when neither is known or when it is
-  the only server of its blocks. A hung replacement is thus left in seconds. Every deadline
-  lies in ``[floor, ceiling]``.
+  blocks took, and the full ``ceiling`` (``request_timeout``) only when neither is known. The only
+  server of its blocks always waits the ``ceiling``, timed or not: there is nowhere else to go, so giving
+  up on it sooner only turns its stall into a failure. A hung replacement is thus left in seconds.
+  Every deadline lies in ``[floor, ceiling]``.
 
 Measured rates use the announced units: ``throughput`` is tokens per second of a request crossing
 half the server's blocks (``server.throughput``), ``inference_rps`` single-token steps per second
@@ -91,14 +92,14 @@ class ServerMeasurements:
     def deadline(self, span: RemoteSpanInfo, tokens: int, replaceable: bool = True) -> float:
         """How long to wait for ``span``'s server to answer an inference step of ``tokens`` tokens.
 
-        A server never timed that is the only one of its blocks (``replaceable`` False) waits the
-        ``ceiling``: giving up on it sooner could only turn a slow step (a loaded swarm) into a failure.
+        The only server of its blocks (``replaceable`` False) waits the ``ceiling``, timed or not: giving
+        up on it sooner could only turn a slow step or a short stall into a failure.
         """
+        if not replaceable:
+            return self.ceiling
         timing = self._timings.get(span.peer_id)
         if timing is not None and timing.steps:
             return self._clamp(self.factor * timing.expected(tokens))
-        if not replaceable:
-            return self.ceiling
         estimates = []
         announced = span.server_info.throughput
         if announced and announced > 0:

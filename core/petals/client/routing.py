@@ -17,13 +17,20 @@ Where later layers reuse the keys and values an earlier layer computed in the sa
 hop begins or ends there, and such blocks without one server holding them all are missing blocks,
 reported with the command that serves them.
 
-One retry policy serves inference, forward and backward (``handle_failure``): a failure is retried
-elsewhere only when a retry can fix it, at most ``max_retries`` times, after a backoff with jitter;
-the server is banned (``ban_timeout`` seconds, doubled after every consecutive failure) only when the
-failure is its own. A request the server refused as malformed (``bad_request``), or an error of the
-client itself, is raised at once and bans nobody. A server's own bug is not a flaky peer: when every
-server of some blocks answered ``[internal]`` with the same error (the only one: twice), no ban can
-help, and ``ServerFailure`` quotes that error at once instead of waiting the bans out.
+One retry policy serves inference, forward and backward (``handle_failure``, judged by
+``judge_failure``): a failure is retried elsewhere only when a retry can fix it, at most ``max_retries``
+times, after a backoff with jitter; the server is banned (``ban_timeout`` seconds, doubled after every
+failure once its last ban has ended, at most ``MAX_BAN_SECONDS``) only when the failure is its own and
+another server can take its blocks: the only server of some blocks is waited for (retried after the
+backoff), never banned nor avoided for an earlier ban, since a ban could only turn its stall into an
+outage. Requests that were in
+flight when a server was banned do not ban it again: one stall is one failure, however many sessions
+it hit. A request whose every server of some blocks is banned is refused at once (``RouteBanned``, which
+says when the first ban ends) rather than put to sleep for the ban. A request the server refused as
+malformed (``bad_request``), or an error of the client itself, is raised at once and bans nobody. A
+server's own bug is not a flaky peer: when every server of some blocks answered ``[internal]`` with the
+same error (the only one: twice), no ban can help, and ``ServerFailure`` quotes that error at once
+instead of waiting the bans out.
 
 What the client measured of each server (``measurements.ServerMeasurements``) overrides what the
 server announced once it has samples: routes use the measured speed where it is lower, and inference
@@ -77,28 +84,48 @@ class ServerMisbehaved(RuntimeError):
     """A server answered something that does not fit the request (wrong shapes, tensor counts)."""
 
 
+class RouteBanned(MissingBlocksError):
+    """Every server of some blocks failed lately and is banned: the request is refused at once, and
+    ``retry_after`` (seconds) says when the first of those bans ends."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ServerFailure(RuntimeError):
     """Every server of some blocks fails with the same ``[internal]`` error: the servers' bug, not the network."""
 
 
 # a server's [internal] errors count together only this long (a success forgets them sooner)
 SAME_FAILURE_SECONDS = 120.0
+# the longest ban, however often a server failed: a server back from a stall is used again within a minute
+MAX_BAN_SECONDS = 60.0
 
 
 # failures that are the server's (or the network's), and that another server may not have
 SERVER_FAULTS = (TimeoutError, OSError, EOFError, StopAsyncIteration, P2PDaemonError, ServerMisbehaved)
 
 
-def judge_failure(error: BaseException) -> tuple[bool, bool]:
-    """(retry elsewhere?, ban the server?) for a failed request; see the module docstring."""
+def judge_failure(error: BaseException, only_server: bool = False) -> tuple[bool, bool]:
+    """(retry?, ban the server?) for a failed request; see the module docstring. ``only_server``: no other
+    server holds some of the failed server's blocks (``RemoteSequenceManager.only_server``): it is waited
+    for, not banned."""
     if isinstance(error, P2PHandlerError):
         kind = error_kind(str(error))
         if kind == "bad_request":
             return False, False
-        return True, kind != "not_served"  # untagged: a stock Petals server, judged as before
-    if isinstance(error, SERVER_FAULTS):
-        return True, True
-    return False, False
+        own = kind != "not_served"  # untagged: a stock Petals server, judged as before
+    elif isinstance(error, SERVER_FAULTS):
+        own = True
+    else:
+        return False, False
+    return True, own and not only_server
+
+
+def ban_seconds(ban_timeout: float, failures: int) -> float:
+    """How long a server is banned after its ``failures``-th failure in a row: doubled each time, capped."""
+    return min(ban_timeout * 2.0 ** min(failures - 1, 64), MAX_BAN_SECONDS)
 
 
 @dataclass
@@ -230,12 +257,14 @@ class RemoteSequenceManager:
             self._refreshing = None
 
     def usable_spans(self) -> list[RemoteSpanInfo]:
-        """Spans of servers that are neither banned nor known to be unreachable."""
+        """Spans of servers that are neither banned nor known to be unreachable. A ban only steers routes
+        to other servers: the only server of some blocks is used, banned or not (unless caught lying)."""
         now = time.monotonic()
         return [
             span
             for peer, span in self.spans.items()
-            if not self._is_banned(peer, now) and not self._is_unreachable(peer)
+            if not self._is_unreachable(peer)
+            and (not self._is_banned(peer, now) or (peer not in self.suspects and self.only_server(peer)))
         ]
 
     def _is_unreachable(self, peer: PeerID) -> bool:
@@ -246,13 +275,39 @@ class RemoteSequenceManager:
         return peer in self.suspects or (ban is not None and ban.until > now)
 
     def on_request_failure(self, peer: PeerID | None) -> None:
+        """Ban ``peer`` (``ban_seconds``); a failure while it is banned already came from a request sent
+        before the ban (the same stall) and changes nothing."""
         if peer is None:
             return
+        now = time.monotonic()
         ban = self.bans.get(peer)
+        if ban is not None and ban.until > now:
+            return
         failures = ban.failures + 1 if ban is not None else 1
-        duration = self.config.ban_timeout * 2 ** (failures - 1)
-        self.bans[peer] = _Ban(time.monotonic() + duration, failures)
+        duration = ban_seconds(self.config.ban_timeout, failures)
+        self.bans[peer] = _Ban(now + duration, failures)
         logger.warning("Server %s failed; not using it for %.0f s", peer, duration)
+
+    def only_server(self, peer: PeerID) -> bool:
+        """Whether no other server holds some block of ``peer``'s span (banned ones count: their bans end;
+        unreachable ones and those caught lying do not): then routing around ``peer`` is impossible, and a
+        failure of it is waited out instead of banned."""
+        span = self.spans.get(peer) or self.online_spans.get(peer)
+        if span is None:
+            return False
+        covered = set()
+        for other, other_span in self.spans.items():
+            if other != peer and other not in self.suspects and not self._is_unreachable(other):
+                covered.update(range(max(other_span.start, span.start), min(other_span.end, span.end)))
+        return len(covered) < span.length
+
+    async def _alone(self, peer: PeerID | None) -> bool:
+        """``only_server(peer)``, as the DHT says now: where it looks alone, the records are read again
+        first (a replacement may have joined since they were read: then it is routed around, not waited for)."""
+        if peer is None or not self.only_server(peer):
+            return False
+        await self.update()
+        return self.only_server(peer)
 
     def on_request_success(self, peer: PeerID) -> None:
         self.internal_errors.pop(peer, None)
@@ -274,15 +329,17 @@ class RemoteSequenceManager:
 
     async def handle_failure(self, error: BaseException, peer: PeerID | None, attempt: int) -> None:
         """Raise ``error`` if retrying cannot fix it or retries are used up; else ban ``peer`` if the
-        failure was its own, and wait the backoff before the caller's next attempt."""
-        retry, ban = judge_failure(error)
+        failure was its own and another server holds its blocks, and wait the backoff before the caller's
+        next attempt."""
+        blamed = judge_failure(error)[1]  # only then does it matter whether the server is alone
+        retry, ban = judge_failure(error, only_server=blamed and await self._alone(peer))
         if not retry:
             if isinstance(error, P2PHandlerError):
                 raise RequestRefused(f"a server refused the request: {error}") from error
             raise error
         text = internal_error_text(error)
         if text is not None and peer is not None:
-            ban = self._note_internal_error(peer, text, error)
+            self._note_internal_error(peer, text, error)
         self.check_retries(attempt, error)
         if ban:
             self.on_request_failure(peer)
@@ -290,17 +347,16 @@ class RemoteSequenceManager:
             self.last_update = -float("inf")  # e.g. the server moved: read the DHT again
         await asyncio.sleep(self.retry_delay(attempt))
 
-    def _note_internal_error(self, peer: PeerID, text: str, error: BaseException) -> bool:
+    def _note_internal_error(self, peer: PeerID, text: str, error: BaseException) -> None:
         """Remember ``peer``'s ``[internal]`` error; raise ``ServerFailure`` when every server of some of
-        its blocks failed so (the only one: twice). Returns whether to ban ``peer``: not the only server
-        of its blocks after its first such error, which is retried there at once (it may have passed)."""
+        its blocks failed so (the only one: twice, as its first such error is retried: it may have passed)."""
         now = time.monotonic()
         times = self.internal_errors[peer].times + 1 if self._failed_with(peer, text, now) else 1
         self.internal_errors[peer] = _InternalError(text, times, now)
         span = self.spans.get(peer) or self.online_spans.get(peer)
         if span is None:
-            return True
-        failing, sole = [], False
+            return
+        failing = []
         for block in range(span.start, span.end):
             servers = [
                 other
@@ -309,7 +365,6 @@ class RemoteSequenceManager:
                 and other not in self.suspects
                 and not self._is_unreachable(other)
             ]
-            sole = sole or servers == [peer]
             if all(self._failed_with(other, text, now) for other in servers) and (
                 len(servers) > 1 or times >= 2
             ):
@@ -321,7 +376,6 @@ class RemoteSequenceManager:
                 "finds the traceback in the server's log; until it is fixed, serve these blocks with a server "
                 "that works"
             ) from error
-        return not (sole and times == 1)
 
     def _failed_with(self, peer: PeerID, text: str, now: float) -> bool:
         record = self.internal_errors.get(peer)
@@ -332,43 +386,15 @@ class RemoteSequenceManager:
     async def make_sequence(
         self, start: int, end: int, *, mode: str, cache_tokens_needed: int | None = None
     ) -> list[RemoteSpanInfo]:
-        """A chain of spans covering blocks ``[start, end)``; refreshes the swarm's state when needed."""
+        """A chain of spans covering blocks ``[start, end)``; refreshes the swarm's state when needed.
+        Raises ``MissingBlocksError`` at once where no usable server holds some block (``RouteBanned``
+        where that is only for now: every server of it is banned)."""
         await self.ensure_fresh()
         try:
             return self._choose(start, end, mode, cache_tokens_needed)
         except MissingBlocksError:
             await self.update()
-        try:
-            return self._choose(start, end, mode, cache_tokens_needed)
-        except MissingBlocksError:
-            ban_ends = self._ban_ends(start, end)
-            if ban_ends is None:
-                raise
-        # every server that could fill the gap failed lately: wait for the first ban to end, as a
-        # retry after a backoff would, instead of failing a request that one of them may serve now
-        wait = max(ban_ends - time.monotonic(), 0.0)
-        logger.warning(
-            "Every server for some of blocks %d:%d is banned; retrying in %.0f s", start, end, wait
-        )
-        await asyncio.sleep(wait)
-        await self.update()
         return self._choose(start, end, mode, cache_tokens_needed)
-
-    def _ban_ends(self, start: int, end: int) -> float | None:
-        """When the first ban of a server holding some of blocks ``[start, end)`` ends (``time.monotonic``),
-        if any such server is banned (not for good: caught lying) and reachable; else None."""
-        now = time.monotonic()
-        ends = [
-            ban.until
-            for peer, ban in self.bans.items()
-            if ban.until > now
-            and peer in self.spans
-            and peer not in self.suspects
-            and not self._is_unreachable(peer)
-            and self.spans[peer].start < end
-            and start < self.spans[peer].end
-        ]
-        return min(ends, default=None)
 
     def _choose(
         self, start: int, end: int, mode: str, cache_tokens_needed: int | None
@@ -432,11 +458,33 @@ class RemoteSequenceManager:
                 "its servers returned wrong outputs (caught by verification): this client uses them no more"
             )
         else:
-            reason = "every server hosting it failed recently and is banned for now"
+            self._refuse_banned(first, with_adapter)
+            reason = "its servers are unreachable or returned wrong outputs"
         raise MissingBlocksError(
             f"no server for block {self.block_uids[first]} (dht_prefix {self.dht_prefix!r}, blocks missing: "
             f"{_ranges(missing)}): {reason}. Start a server for these blocks, e.g. "
             f"`petals serve <model> --block_indices {first}:{missing[-1] + 1}`, or check the dht_prefix."
+        )
+
+    def _refuse_banned(self, block: int, hosting: Sequence[RemoteSpanInfo]) -> None:
+        """Raise ``RouteBanned`` for ``block`` if some server ``hosting`` it is only banned for now."""
+        now = time.monotonic()
+        ends = [
+            self.bans[span.peer_id].until
+            for span in hosting
+            if span.peer_id in self.bans
+            and span.peer_id not in self.suspects
+            and not self._is_unreachable(span.peer_id)
+            and self.bans[span.peer_id].until > now
+        ]
+        if not ends:
+            return
+        retry_after = min(ends) - now
+        raise RouteBanned(
+            f"no server for block {self.block_uids[block]} (dht_prefix {self.dht_prefix!r}) is usable now: "
+            f"every server hosting it failed in the last minute and is banned for now; retry in "
+            f"{math.ceil(retry_after)} s, when the first ban ends",
+            retry_after,
         )
 
     def _check_shared_groups(self, spans: Sequence[RemoteSpanInfo], start: int, end: int) -> None:
