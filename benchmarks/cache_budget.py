@@ -30,13 +30,7 @@ import torch
 import transformers
 
 from benchmarks.harness import Check, Context, Result, main
-from petals.kv_cache import (
-    LinearAttentionSpec,
-    LinearAttentionState,
-    OutOfPagesError,
-    SharedKVCache,
-    SlidingWindowSpec,
-)
+from petals.kv_cache import LinearAttentionSpec, OutOfPagesError, SlidingWindowSpec
 from petals.plugins import get_plugin_manager
 from petals.server.backend import BlockBackend
 from petals.server.cache_budget import CacheBudget
@@ -128,13 +122,7 @@ def grow(cache, length: int) -> None:
     while done < length:
         tokens = min(CHUNK, length - done)
         cache.reserve(tokens)
-        for part in getattr(cache, "parts", (cache,)):
-            if isinstance(part, LinearAttentionState):
-                part.stepped(tokens)
-            else:
-                part.length += tokens
-                if not isinstance(part, SharedKVCache):
-                    part.written()
+        cache.advance(tokens)  # what a forward's writes do: move on, give back what the kind no longer needs
         done += tokens
 
 

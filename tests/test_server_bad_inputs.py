@@ -198,6 +198,20 @@ def test_bad_inference_step(client, step, message):
         stream.step(**step)
 
 
+def test_bad_keep_or_resume_fails_alone(client):
+    with refused("resume position must be an integer from 0 to max_length 8"):
+        resuming = client.inference(client.server, UIDS, max_length=8, resume={"key": "k", "position": 9})
+        resuming.step(torch.randn(1, 1, 64))
+    stream = client.inference(client.server, UIDS, max_length=8)
+    stream.step(torch.randn(1, 2, 64))
+    with refused("field 'keep' has an invalid value: 7"):
+        stream.step(torch.randn(1, 1, 64), keep=7)
+    stream = client.inference(client.server, UIDS, max_length=8)
+    stream.step(torch.randn(1, 2, 64))
+    with refused("keep must be a string of 1 to 256 characters"):
+        stream.step(torch.randn(1, 1, 64), keep="")
+
+
 def test_step_timeout_frees_the_session(client):
     stream = client.inference(client.server, UIDS, max_length=8)
     stream.step(torch.randn(1, 2, 64))

@@ -2,7 +2,8 @@
 
 One server with a small KV-cache budget (10 pages of 16 tokens per block, 40 pages its 4 blocks share): sessions of different
 lengths and batch sizes step together and each gets exactly what it gets alone; a session that finds
-no free page fails alone and its neighbour keeps computing what it computes alone.
+no free page takes the pages of the most recently admitted one, which fails alone as preempted, and
+whose replay on a new session computes exactly what it computed alone.
 """
 
 from __future__ import annotations
@@ -95,22 +96,29 @@ def test_sessions_take_pages_as_they_grow_and_give_them_back(swarm):
     wait_for_free_tokens(swarm, initial)
 
 
-def test_a_session_without_a_free_page_fails_alone(swarm):
+def test_a_growing_session_preempts_the_newest_one_whose_replay_computes_the_same(swarm):
     initial = free_tokens(swarm)
     neighbour_inputs = session_inputs(1, 16, 6, seed=7)
     alone = run_session(swarm, neighbour_inputs)
     wait_for_free_tokens(swarm, initial)
+    preempted = swarm.info(swarm.server)["stats"]["sessions_preempted"]
 
     greedy = swarm.inference(swarm.server, UIDS, max_length=PAGES * PAGE_TOKENS)
     greedy.step(torch.randn(1, (PAGES - 2) * PAGE_TOKENS, HIDDEN))  # all pages but two
     neighbour = swarm.inference(swarm.server, UIDS, max_length=32)
     together = [neighbour.step(hidden) for hidden in neighbour_inputs[:2]]  # 17 tokens: the last two pages
-    with pytest.raises(P2PHandlerError, match="the server's KV cache is full"):
-        greedy.step(torch.randn(1, 1, HIDDEN))
-    together += [neighbour.step(hidden) for hidden in neighbour_inputs[2:]]
-    neighbour.close()
+    greedy.step(torch.randn(1, 1, HIDDEN))  # grows: the most recently admitted session gives its pages up
+    with pytest.raises(P2PHandlerError, match=r"\[preempted\] this session's pages went to an older session"):
+        neighbour.step(neighbour_inputs[2])
+    assert swarm.info(swarm.server)["stats"]["sessions_preempted"] == preempted + 1
+    greedy.close()
+
+    replay = swarm.inference(swarm.server, UIDS, max_length=32)  # as its client does: the history, then on
+    history = replay.step(torch.cat(neighbour_inputs[:2], dim=1))
+    together = [*history.split([16, 1], dim=1), *(replay.step(hidden) for hidden in neighbour_inputs[2:])]
+    replay.close()
     for step, (expected, got) in enumerate(zip(alone, together, strict=True)):
-        assert (got - expected).abs().max().item() <= 1e-5, f"the neighbour's step {step} changed"
+        assert (got - expected).abs().max().item() <= 1e-5, f"the replayed session's step {step} differs"
     wait_for_free_tokens(swarm, initial)
 
 

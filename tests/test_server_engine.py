@@ -21,7 +21,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 from petals import hookimpl
 from petals.block import RotaryBlockMixin
 from petals.config import DistributedConfigMixin
-from petals.kv_cache import PAGE_TOKENS, TOKENS_PER_SEQUENCE, OutOfPagesError
+from petals.kv_cache import PAGE_TOKENS, TOKENS_PER_SEQUENCE, OutOfPagesError, SessionPreempted
 from petals.plugins import PluginManager, using_plugin_manager
 from petals.server.backend import BlockBackend, HostedBlocks
 from petals.server.cache_budget import AllocationFailed, CacheBudget
@@ -83,8 +83,10 @@ def drain(engine: ServingEngine) -> list[Batch]:
     return batches
 
 
-def open_session(engine: ServingEngine, hidden: torch.Tensor, max_length: int = 64, **metadata):
-    return asyncio.run(engine.open_session(UIDS, {"max_length": max_length, **metadata}, [hidden]))
+def open_session(
+    engine: ServingEngine, hidden: torch.Tensor, max_length: int = 64, peer: str = "", **metadata
+):
+    return asyncio.run(engine.open_session(UIDS, {"max_length": max_length, **metadata}, [hidden], peer))
 
 
 def run_directly(blocks: HostedBlocks, *steps: torch.Tensor) -> list[torch.Tensor]:
@@ -147,6 +149,47 @@ def test_closing_a_session_gives_its_pages_back_after_its_queued_steps(engine):
     drain(engine)
     assert step.result().shape == (2, 8, 64)  # computed before the pages went back
     assert engine.budget.tokens_left == free
+
+
+def test_a_kept_session_is_continued_by_its_own_client_and_computes_as_if_never_closed(engine, blocks):
+    generator = torch.Generator().manual_seed(3)
+    prefill, *steps = [torch.randn(1, length, 64, generator=generator) for length in (6, 1, 1, 2)]
+    expected = run_directly(blocks, prefill, *steps)
+    session, args = open_session(engine, prefill, peer="alice")
+    for hidden in steps[:2]:
+        engine.inference_step(session, args, {})
+        drain(engine)
+        args = engine.step_args(session, {}, [hidden])
+    engine.inference_step(session, args, {})
+    drain(engine)
+    engine.close_session(session, keep="chat")  # 8 tokens kept, a page a block
+    drain(engine)
+    assert engine.info()["cache_pages"]["kept"] == 2 and engine.info()["stats"]["sessions_kept"] == 1
+    free = engine.budget.tokens_left
+    assert free == 2 * 2 * engine.budget.longest_session()  # kept pages count as free
+
+    other, args = open_session(engine, steps[2], peer="mallory", resume={"key": "chat", "position": 8})
+    assert other.resumed_at == 0 and args.hidden.shape[1] == 0  # not its session: it must send from 0
+    engine.close_session(other)
+    ahead, args = open_session(engine, steps[2], peer="alice", resume={"key": "chat", "position": 9})
+    assert ahead.resumed_at == 8 and args.hidden.shape[1] == 0  # it holds 8: the client sends from there
+    engine.close_session(ahead, keep="chat")  # an empty step: kept again, still at 8 tokens
+    drain(engine)
+    again, args = open_session(engine, steps[1], peer="alice", resume={"key": "chat", "position": 7})
+    assert again.resumed_at == 7 and engine.info()["stats"]["sessions_resumed"] == 2
+    redone = engine.inference_step(again, args, {})  # the last step again, after a rewind of one token
+    drain(engine)
+    last = engine.inference_step(again, engine.step_args(again, {}, [steps[2]]), {})
+    drain(engine)
+    torch.testing.assert_close(redone.result(), expected[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(last.result(), expected[3], atol=1e-5, rtol=0)
+    engine.close_session(again)
+    drain(engine)
+    assert engine.info()["cache_pages"] == {
+        "live": 0,
+        "kept": 0,
+        "free": engine.budget.arenas[torch.device("cpu")].num_pages,
+    }
 
 
 def test_an_abandoned_request_is_dropped_from_the_queue(engine):
@@ -242,22 +285,31 @@ def test_a_kept_graph_counts_activations_not_weights(blocks):
     assert bigger.saved_bytes >= 2 * graph.saved_bytes * 0.9
 
 
-def test_a_session_out_of_pages_fails_alone_in_a_merged_batch(blocks):
-    budget = CacheBudget(list(blocks.backends.values()), tokens_per_block=2 * PAGE_TOKENS)  # two pages
+def test_a_growing_session_preempts_the_newest_one_which_alone_fails_in_a_merged_batch(blocks):
+    budget = CacheBudget(
+        list(blocks.backends.values()), tokens_per_block=2 * PAGE_TOKENS
+    )  # two pages a block
     engine = ServingEngine(
         blocks, budget, LIMITS, Scheduler(max_threads=1), dht_prefix="tiny", clock=FakeClock()
     )
-    full, args = open_session(engine, torch.randn(1, PAGE_TOKENS, 64), max_length=2 * PAGE_TOKENS)
-    engine.inference_step(full, args, {})  # its one page is full
-    other, args = open_session(engine, torch.randn(1, 1, 64), max_length=PAGE_TOKENS)  # takes the last page
-    engine.inference_step(other, args, {})
+    prefill = torch.randn(1, PAGE_TOKENS, 64)
+    older, args = open_session(engine, prefill, max_length=2 * PAGE_TOKENS)
+    engine.inference_step(older, args, {})  # its one page a block is full
+    newer, args = open_session(engine, torch.randn(1, 1, 64), max_length=PAGE_TOKENS)  # the last pages
+    engine.inference_step(newer, args, {})
     drain(engine)
-    growing = engine.inference_step(full, engine.step_args(full, {}, [torch.randn(1, 1, 64)]), {})
-    fine = engine.inference_step(other, engine.step_args(other, {}, [torch.randn(1, 1, 64)]), {})
-    assert [len(batch.tasks) for batch in drain(engine)] == [2]
-    assert fine.result().shape == (1, 1, 64)
-    with pytest.raises(OutOfPagesError):
-        growing.result()
+    step = torch.randn(1, 1, 64)
+    growing = engine.inference_step(older, engine.step_args(older, {}, [step]), {})
+    preempted = engine.inference_step(newer, engine.step_args(newer, {}, [torch.randn(1, 1, 64)]), {})
+    assert [len(batch.tasks) for batch in drain(engine)] == [2]  # both in one forward; the newer left it
+    torch.testing.assert_close(growing.result(), run_directly(blocks, prefill, step)[1], atol=1e-5, rtol=0)
+    with pytest.raises(SessionPreempted, match="went to an older session"):
+        preempted.result()
+    assert isinstance(SessionPreempted("x"), OutOfPagesError)  # a refusal of memory, sent as "preempted"
+    assert engine.info()["stats"]["sessions_preempted"] == 1
+    assert engine.info()["cache_pages"] == {"live": 4, "kept": 0, "free": 0}  # all the older one's now
+    with pytest.raises(SessionPreempted):  # at once: its client replays it on a new session instead
+        engine.inference_step(newer, engine.step_args(newer, {}, [torch.randn(1, 1, 64)]), {})
 
 
 def test_two_servers_in_one_process_share_no_state(blocks):
@@ -288,9 +340,9 @@ def test_two_servers_in_one_process_share_no_state(blocks):
         return prometheus.generate_latest(metrics.registry).decode()
 
     assert busy.events["inference_steps"] == 1 and idle.events["inference_steps"] == 0
-    assert busy.tokens_processed == 3 and idle.tokens_processed == 0
+    assert busy.tokens_processed == 3 * 2 and idle.tokens_processed == 0  # 3 tokens through 2 blocks
     assert 'petals_server_requests_total{rpc="rpc_inference"} 1.0' in scraped(busy_metrics)
-    assert "petals_server_tokens_computed_total 3.0" in scraped(busy_metrics)
+    assert "petals_server_tokens_computed_total 6.0" in scraped(busy_metrics)
     assert "petals_server_tokens_computed_total 0.0" in scraped(idle_metrics)
     assert 'rpc="rpc_inference"' not in scraped(idle_metrics)
     assert busy.scheduler.threads.mean_seconds and not idle.scheduler.threads.mean_seconds

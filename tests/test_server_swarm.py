@@ -32,6 +32,8 @@ INFO_FIELDS = {
     "packed_as",  # petals-core extension: the stored format a quantized checkpoint is served packed in
     "cache_bytes",  # petals-core extensions: the cache budget in bytes, and what sessions hold by kind
     "cache_bytes_held",
+    "cache_pages",  # petals-core extensions: pages by use (live, kept, free), sessions preempted
+    "sessions_preempted",
 }
 
 
@@ -99,13 +101,16 @@ def test_records_have_petals_types(swarm):
         assert {kind: type(nbytes) for kind, nbytes in info["cache_bytes_held"].items()} == {
             "full_attention": int
         }
+        assert info["cache_pages"]["free"] > 0 and info["sessions_preempted"] == 0
         ServerInfo.from_tuple(entry.value[server.peer_id].value)
     models = swarm.client.dht_get("_petals.models").value
     assert models[swarm.prefix].value == {"num_blocks": 4, "repository": None}
 
 
 SERVER_INFO_KEYS = {"version", "dht_client_mode", "cache_tokens_available"}
-EXTENSION_INFO_KEYS = {"stats"}  # petals-core's extra key: counters (stock Petals peers ignore it)
+# petals-core's extra keys (stock Petals peers ignore them): counters, the cache's pages by use (live, kept:
+# lent by idle and kept sessions, free) and the sessions waiting for admission
+EXTENSION_INFO_KEYS = {"stats", "cache_pages", "cache_queue"}
 
 
 def test_rpc_info(swarm):

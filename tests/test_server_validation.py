@@ -10,14 +10,18 @@ import pytest
 import torch
 
 from petals.server.validation import (
+    MAX_KEY_CHARACTERS,
+    Resume,
     backward_args,
     blocks_named,
     check_adapter,
     check_hidden,
     check_hypo_ids,
+    check_keep,
     check_max_length,
     check_output_compression,
     check_prompts,
+    check_resume,
     check_step_position,
     forward_args,
     inference_args,
@@ -115,6 +119,24 @@ def test_session_length_and_step_positions():
         check_step_position(position=5, start=6, new_tokens=1, max_length=8)
     with pytest.raises(WireError, match=r"5 tokens so far \+ 4 new > max_length 8"):
         check_step_position(position=5, start=None, new_tokens=4, max_length=8)
+
+
+def test_keeping_and_resuming_a_session_name_a_key_and_a_position_within_the_session():
+    assert check_keep(None) is None and check_keep("chat-1") == "chat-1"
+    assert check_resume(None, max_length=32) is None
+    assert check_resume({"key": "chat-1", "position": 32}, max_length=32) == Resume("chat-1", 32)
+    for key in ("", "x" * (MAX_KEY_CHARACTERS + 1), 7, ["chat"]):
+        with pytest.raises(WireError, match=f"keep must be a string of 1 to {MAX_KEY_CHARACTERS} characters"):
+            check_keep(key)
+    for resume, message in (
+        ("chat-1", "resume must be {'key': str, 'position': int}"),
+        ({"key": "chat-1"}, "resume must be {'key': str, 'position': int}"),
+        ({"key": "chat-1", "position": 33}, "resume position must be an integer from 0 to max_length 32"),
+        ({"key": "chat-1", "position": True}, "resume position must be an integer"),
+        ({"key": None, "position": 3}, "resume key must be a string"),
+    ):
+        with pytest.raises(WireError, match=message.replace("{", "\\{").replace("}", "\\}")):
+            check_resume(resume, max_length=32)
 
 
 def test_args_follow_their_structure():

@@ -28,7 +28,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
-from petals.kv_cache import CacheSpec, PagedCache, SessionCache, open_cache
+from petals.kv_cache import CacheSpec, PagedCache, RowsCache, SessionCache, open_cache
 from petals.kv_cache.specs import kv_source, layer_kind
 
 # per compute thread: what the previous block computed for its step, {name: (key, value)}
@@ -73,13 +73,13 @@ class ServerBlockMixin:
         # model hands them on: one dict, ``shared_kv_states``, from layer to layer (``shared_kv_kwargs``)
         self.takes_shared_kv_states = "shared_kv_states" in inspect.signature(super().forward).parameters
 
-    def __call__(self, hidden_states: torch.Tensor, cache=None, *args, **kwargs):
-        """The block's forward; then a cache that keeps a state the layer may have updated in place (a
-        convolution's inputs, a state-space recurrence: ``finish_step``) stores it for the step's tokens."""
+    def __call__(self, hidden_states: torch.Tensor, cache: RowsCache | None = None, *args, **kwargs):
+        """The block's forward; then the cache hears the step is done (``RowsCache.finish_step``: a kind
+        that keeps a state the layer may have updated in place, a convolution's inputs or a state-space
+        recurrence, stores it for the step's tokens)."""
         output = super().__call__(hidden_states, cache, *args, **kwargs)
-        finish_step = getattr(cache, "finish_step", None)
-        if finish_step is not None:
-            finish_step(hidden_states.shape[1])
+        if cache is not None:
+            cache.finish_step(hidden_states.shape[1])
         return output
 
     @classmethod

@@ -85,6 +85,11 @@ _INFO_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
         (dict,),
         lambda v: all(isinstance(k, str) and type(x) is int and x >= 0 for k, x in v.items()),
     ),
+    "cache_pages": (
+        (dict,),
+        lambda v: all(isinstance(k, str) and type(x) is int and x >= 0 for k, x in v.items()),
+    ),
+    "sessions_preempted": ((int,), lambda v: v >= 0),
 }
 
 
@@ -115,6 +120,10 @@ class ServerInfo:
     # petals-core extensions: the KV-cache budget in bytes, and what sessions hold of it by cache kind
     cache_bytes: int | None = None
     cache_bytes_held: dict[str, int] | None = None
+    # petals-core extensions: the cache's pages by use (live, kept: lent by idle and kept sessions, free),
+    # and how many live sessions gave their pages to older ones since the server started
+    cache_pages: dict[str, int] | None = None
+    sessions_preempted: int | None = None
 
     def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
         info = dataclasses.asdict(self)

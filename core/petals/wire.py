@@ -236,6 +236,10 @@ _METADATA_CHECKS = {
     "pushed": lambda v: isinstance(v, bool),
     "trace": lambda v: isinstance(v, bool),
     "output_compression": lambda v: isinstance(v, list | tuple) and all(c in WIRE_COMPRESSIONS for c in v),
+    # petals-core extensions (``petals.server.validation`` checks them in full): keep a session when it
+    # ends, under a key; continue a kept one
+    "keep": lambda v: isinstance(v, str),
+    "resume": lambda v: isinstance(v, dict),
 }
 
 

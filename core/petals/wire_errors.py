@@ -34,6 +34,8 @@ ERROR_KINDS = {
     "bad_request": "the request itself is wrong: retrying it anywhere fails the same way",
     "not_served": "this server does not serve those blocks (any more): route again",
     "cache_full": "no KV cache left for the session here: another server may have some",
+    # the session's pages went to an older session (or, while it was idle, to any): not the server's fault
+    "preempted": "the server gave this session's pages to another session: replay its history, here or elsewhere",
     "timeout": "the server gave up waiting (for the client or its compute queue)",
     "internal": "the server failed while computing: another server may not",
     "unauthorized": "a private swarm's server serves only members: the caller presented no valid certificate",

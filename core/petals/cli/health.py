@@ -1,7 +1,8 @@
 """``petals health --initial_peers ... [MODEL]``: which blocks are covered, by whom, and is it healthy.
 
 For every model of the swarm's ``_petals.models`` index (or the one given), a coverage bar over its
-blocks, a table of its servers and a verdict. ``--json`` prints the original Petals health
+blocks, a table of its servers (with their KV cache: pages held by live sessions, lent by idle and kept
+ones, free; and how many sessions they preempted) and a verdict. ``--json`` prints the original Petals health
 monitor's ``/api/v1/state`` document instead; ``--watch`` refreshes every ``--update_period``.
 Exits 1 when a model misses blocks (or none is announced), so scripts can check a swarm.
 """
@@ -38,6 +39,8 @@ COLUMNS = (
     "adapters",
     "cache/block",
     "cache held",
+    "pages live/kept/free",
+    "preempted",
     "version",
     "public name",
     "pings to it",
@@ -192,10 +195,20 @@ def server_cells(row: ServerRow) -> list[str]:
         ",".join(name.split("/")[-1] for name in info.adapters) or "-",
         _or_dash(row.cache_tokens_left_per_block),
         _or_dash(row.cache_memory),
+        cache_pages(info.cache_pages),
+        _or_dash(info.sessions_preempted),
         info.version or "-",
         info.public_name or "-",
         f"{len(pings)}, best {min(pings) * 1000:.1f} ms" if pings else "-",
     ]
+
+
+def cache_pages(pages: dict[str, int] | None) -> str:
+    """A server's cache pages by use: held by live sessions, lent by idle and kept ones (theirs until
+    another session needs them), free."""
+    if not pages:
+        return "-"
+    return "/".join(str(pages.get(use, 0)) for use in ("live", "kept", "free"))
 
 
 def table(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -1,13 +1,18 @@
-"""The cache a server keeps for its blocks: a spec per cache kind, and one manager per kind.
+"""The cache a server keeps for its blocks: a spec per cache kind, and one class per kind over one base.
 
 Each block's cache is described by a spec (``petals.kv_cache.specs``: full attention with keys and
-values of their own widths, sliding window, chunked), which a family's ``cache_spec`` hook returns
-(core's default reads transformers' own per-layer kinds). ``MANAGERS`` picks the class that keeps
-one session's cache of that kind; all of them follow one protocol (``SessionCache``), which the
-engine, the sessions and tensor-parallel shards use without asking which kind they hold:
+values of their own widths, sliding window, chunked, indexed, linear-attention state, hybrid, shared),
+which a family's ``cache_spec`` hook returns (core's default reads transformers' own per-layer kinds;
+DeepSeek's plugin returns its latent as full attention of its own widths). ``MANAGERS`` picks the class
+that keeps one session's cache of that kind: each registers itself for the spec types it ``serves``, so
+adding a kind is its spec, its module (imported here) and its tests. Every one is a ``KindCache``
+(``petals.kv_cache.base``):
+page tables over the block's pool, grown, rewound, released and counted once, each kind stating only
+its row layout (its ``Pool``) and its rewind rule. The engine, the sessions and tensor-parallel shards
+use them through one protocol (``SessionCache``), without asking which kind they hold:
 
-* ``position``, ``nbytes``; ``reserve(new_tokens)`` before a step, ``rewind(position)``,
-  ``reorder(hypo_ids)``, ``release()``;
+* ``position``, ``nbytes``, ``max_length``; ``reserve(new_tokens)`` before a step, ``rewind(position)``,
+  ``resumable(position)`` (how far back it can go), ``reorder(hypo_ids)``, ``release()``;
 * ``merged(caches)`` / ``view()``: the transformers ``Cache`` a block's forward is given, over one
   or several sessions' rows (``PagedCache``, ``StateCache``), answering for the block's own layer index;
 * ``make_pool(spec, tokens, page_tokens, dtype, device, arena=...)``: a block's memory for its
@@ -17,17 +22,20 @@ engine, the sessions and tensor-parallel shards use without asking which kind th
 
 A server's memory for its sessions is one ``PageArena`` per device (``petals.kv_cache.arena``): pages
 of equal bytes on one free list, which every block's pool lays out its own way, so memory goes to
-whichever kind needs it and the server's budget and admission count bytes. Attention kinds keep keys
-and values in a ``PagePool`` per block, a page holding as many tokens as fit, taken as sessions grow
-and given back when they rewind, slide past their window or end, so memory is held for the tokens a
-kind keeps, not for ``max_length``. Linear attention (``LinearAttentionSpec``) keeps
-a fixed-size state per sequence instead, a page of a ``StatePool`` (``petals.kv_cache.states``),
-with or without a recurrent state (a short convolution keeps only its inputs). A hybrid layer
-(``HybridSpec``: a state-space mixer beside attention) keeps both, in a pool of each (``HybridPool``).
-Indexed attention (``IndexedAttentionSpec``: a sparse-attention indexer beside attention) keeps its
-indexer's keys in the same pages as its keys and values (``petals.kv_cache.indexed``). A layer that
-reuses an earlier layer's keys and values (``SharedKVSpec``) keeps nothing (``petals.kv_cache.shared``);
-``closed_boundaries`` says where spans of blocks must not split it from its source.
+whichever kind needs it and the server's budget and admission count bytes (pages). Attention kinds
+keep keys and values in a ``PagePool`` per block, a page holding as many tokens as fit, taken as
+sessions grow and given back when they rewind, slide past their window or end. Linear attention
+(``LinearAttentionSpec``) keeps a fixed-size state per sequence instead, a page of a ``StatePool``
+(``petals.kv_cache.states``). A hybrid layer (``HybridSpec``) keeps both (``HybridCache``, a
+``CacheGroup``). Indexed attention keeps its indexer's keys in the pages of its keys and values
+(``petals.kv_cache.indexed``). A layer that reuses an earlier layer's keys and values (``SharedKVSpec``)
+keeps nothing (``petals.kv_cache.shared``); ``closed_boundaries`` says where spans of blocks must not
+split it from its source.
+
+Whose pages are they? Each session's, on a ``Lease`` (``petals.kv_cache.lending``): live, lent while the
+session is idle, kept after it ended for its client to continue, and reclaimed (least recently used
+first) or preempted (the most recently admitted session first) when a session needs pages and none
+is free.
 """
 
 from __future__ import annotations
@@ -45,7 +53,17 @@ from petals.kv_cache.attention import (
     SlidingWindowCache,
     check_hypo_ids,
 )
+from petals.kv_cache.base import (
+    MANAGERS,
+    CacheGroup,
+    KindCache,
+    Pool,
+    SessionPreempted,
+    ShardCaches,
+    furthest_common,
+)
 from petals.kv_cache.indexed import IndexedAttentionCache, IndexedPagedCache, IndexedPagePool
+from petals.kv_cache.lending import Lease, Lender
 from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, OutOfPagesError, PagePool
 from petals.kv_cache.shared import SharedKVCache, SharedKVPool
 from petals.kv_cache.specs import (
@@ -75,34 +93,29 @@ from petals.kv_cache.states import (
     StatePool,
 )
 
-# the manager of each kind (exact spec type): adding a kind is a spec, a manager and a row here
-MANAGERS: dict[type[CacheSpec], type[AttentionCache] | type[LinearAttentionState] | type[HybridCache]] = {
-    FullAttentionSpec: AttentionCache,
-    SlidingWindowSpec: SlidingWindowCache,
-    ChunkedAttentionSpec: SlidingWindowCache,
-    IndexedAttentionSpec: IndexedAttentionCache,
-    LinearAttentionSpec: LinearAttentionState,
-    HybridSpec: HybridCache,
-    SharedKVSpec: SharedKVCache,
-}
-
 
 class UnservedCacheKindError(NotImplementedError):
     """A block's cache kind has no manager in petals-core yet."""
 
 
 class SessionCache(Protocol):
-    """What the engine needs of one session's cache of one block, whatever its kind (or shards)."""
+    """What the engine needs of one session's cache of one block, whatever its kind (or shards): every
+    method it calls, none probed for."""
+
+    max_length: int  # set anew when a kept session is continued
 
     @property
     def position(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
     def reserve(self, new_tokens: int) -> None: ...
+    def resumable(self, position: int) -> int: ...
     def rewind(self, position: int) -> None: ...
     def reorder(self, hypo_ids: torch.Tensor) -> None: ...
     def release(self) -> None: ...
     def view(self): ...
+    @staticmethod
+    def merged(caches): ...
 
 
 def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache]:
@@ -124,13 +137,6 @@ def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache
     return manager
 
 
-def pool_parts(pool: PagePool | StatePool | HybridPool) -> tuple[PagePool | StatePool, ...]:
-    """The pools ``pool`` is made of: itself, or a hybrid block's pages and states (each with its own
-    unit, free count and ``on_free``), which the server's budget checks one by one; none for a block
-    that reuses another's keys and values."""
-    return getattr(pool, "parts", (pool,))
-
-
 def open_cache(
     spec: CacheSpec,
     batch_size: int,
@@ -138,14 +144,15 @@ def open_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    pool: PagePool | StatePool | HybridPool | None = None,
+    pool: Pool | HybridPool | None = None,
     layer_index: int = 0,
+    lease: Lease | None = None,
 ) -> SessionCache:
-    """One session's cache of a block of kind ``spec``: on ``pool``, or standalone (all of ``max_length``
-    up front: tests and measurements)."""
+    """One session's cache of a block of kind ``spec``: on ``pool`` (its pages counted on ``lease``), or
+    standalone (all of ``max_length`` up front: tests and measurements)."""
     manager = manager_for(spec, f"block {layer_index}")
     if pool is not None:
-        return manager.paged(pool, batch_size, max_length, layer_index)
+        return manager.paged(pool, batch_size, max_length, layer_index, lease)
     return manager(spec, batch_size, max_length, dtype, device, layer_index=layer_index)
 
 
@@ -156,6 +163,7 @@ __all__ = [
     "REWIND_STEPS",
     "TOKENS_PER_SEQUENCE",
     "AttentionCache",
+    "CacheGroup",
     "CacheOverflowError",
     "CacheSpec",
     "ChunkedAttentionSpec",
@@ -168,6 +176,9 @@ __all__ = [
     "IndexedAttentionSpec",
     "IndexedPagePool",
     "IndexedPagedCache",
+    "KindCache",
+    "Lease",
+    "Lender",
     "LinearAttentionSpec",
     "LinearAttentionState",
     "OutOfPagesError",
@@ -175,8 +186,11 @@ __all__ = [
     "PagePool",
     "PagedCache",
     "PagedLayer",
+    "Pool",
     "RowsCache",
     "SessionCache",
+    "SessionPreempted",
+    "ShardCaches",
     "SharedKVCache",
     "SharedKVPool",
     "SharedKVSpec",
@@ -190,8 +204,8 @@ __all__ = [
     "check_span",
     "closed_boundaries",
     "describe_block",
+    "furthest_common",
     "kv_source",
     "manager_for",
     "open_cache",
-    "pool_parts",
 ]

@@ -10,6 +10,10 @@ Each pool has a home, an offset in the arena where it looks for pages first, and
 after its sequence's last one: a lone session's pages then lie one after another in each block, which
 lets attention read them as one slice, as it could when each block had a pool of its own. When a
 pool's neighbourhood is full it takes free pages anywhere.
+
+Pages held by idle or kept sessions are lent (``kept_pages``, counted by ``petals.kv_cache.lending``):
+they count as available, and when a session needs more pages than are free, the arena asks its
+``lender`` to make room (idle and kept pages first, then a preemption) before it refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -27,19 +32,37 @@ class OutOfPagesError(RuntimeError):
     """The server's cache has no free page left for a growing session."""
 
 
-class PageArena:
-    """``num_pages`` pages of ``page_nbytes`` bytes on ``device``, taken and given back under one lock;
-    ``on_free`` callbacks (the server's admission) hear of pages given back, from any thread."""
+class Lender(Protocol):
+    """What an arena asks when a session needs more pages than are free (``petals.kv_cache.lending``)."""
 
-    def __init__(self, num_pages: int, page_nbytes: int, device: torch.device | str = "cpu") -> None:
+    def make_room(self, arena: PageArena, count: int, lease: Any) -> None:
+        """Free pages of ``arena`` until ``count`` are free, if it can (raising for ``lease`` if it is the
+        one to give its pages up)."""
+
+
+class PageArena:
+    """``num_pages`` pages of ``page_nbytes`` bytes on ``device``, taken and given back under one lock
+    (``lock``: one for all the arenas of a server, whose sessions span them); ``on_free`` callbacks (the
+    server's admission) hear of pages given back, from any thread."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_nbytes: int,
+        device: torch.device | str = "cpu",
+        *,
+        lock: threading.RLock | None = None,
+    ) -> None:
         if num_pages < 1 or page_nbytes < 1:
             raise ValueError(f"a cache arena needs pages and bytes per page, got {num_pages} × {page_nbytes}")
         self.num_pages, self.page_nbytes = num_pages, page_nbytes
         # empty, not zeros: only written slots are ever read, and on CPU untouched pages stay unmapped
         self.storage = torch.empty((num_pages, page_nbytes), dtype=torch.uint8, device=device)
-        self.lock = threading.RLock()
+        self.lock = lock or threading.RLock()
         self._free = bytearray(b"\x01") * num_pages  # 1: free
         self._free_count = num_pages
+        self.kept_pages = 0  # held by idle or kept sessions: lent, given up whenever a session needs them
+        self.lender: Lender | None = None
         self.on_free: list[Callable[[], None]] = []
 
     @property
@@ -51,18 +74,32 @@ class PageArena:
         return self._free_count
 
     @property
+    def available_pages(self) -> int:
+        """Pages a new session may count on: the free ones and those idle or kept sessions lend."""
+        return self._free_count + self.kept_pages
+
+    @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_nbytes
 
-    def take(self, count: int, near: int = 0, what: str = "pages") -> list[int]:
-        """``count`` free pages: the run starting at ``near`` if it is free, else the first free ones from
-        ``near`` on (wrapping around); raises ``OutOfPagesError``, taking none, if fewer are free."""
+    def make_room(self, count: int, lease: Any = None, what: str = "pages") -> None:
+        """Have ``count`` pages free: ask the lender to free some if fewer are (for ``lease``'s session);
+        raises ``OutOfPagesError`` if it cannot."""
         with self.lock:
+            if count > self._free_count and self.lender is not None:
+                self.lender.make_room(self, count, lease)
             if count > self._free_count:
                 raise OutOfPagesError(
                     f"the server's KV cache is full: {count} more {what} needed, {self._free_count} "
                     f"pages of {self.page_nbytes} bytes free; try again later or another server"
                 )
+
+    def take(self, count: int, near: int = 0, what: str = "pages", lease: Any = None) -> list[int]:
+        """``count`` free pages: the run starting at ``near`` if it is free, else the first free ones from
+        ``near`` on (wrapping around); when fewer are free, room is made first (``make_room``), or
+        ``OutOfPagesError`` raised, taking none."""
+        with self.lock:
+            self.make_room(count, lease, what)
             if count == 0:
                 return []
             near = near % self.num_pages

@@ -1,4 +1,4 @@
-"""The managers of attention caches: one session's pages of one block, per kind.
+"""The attention kinds: one session's keys and values of one block, in pages (``petals.kv_cache.base``).
 
 ``AttentionCache`` (full attention) keeps every token: a page table per sequence over the block's
 ``PagePool``, pages taken as the session grows and given back when it rewinds or ends.
@@ -22,135 +22,29 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from petals.kv_cache.arena import PageArena
-from petals.kv_cache.pages import PAGE_TOKENS, CacheOverflowError, PagePool
-from petals.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec
+from petals.kv_cache.base import KindCache
+from petals.kv_cache.pages import PagePool
+from petals.kv_cache.specs import ChunkedAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 _UNKNOWN = object()
 
 
-class AttentionCache:
-    """The full-attention cache of one block in one session: page tables over a pool, rewindable,
-    reorderable for beams. Without a pool it is standalone and takes its whole ``max_length`` up front
-    (tests, measurements); a server opens its sessions' caches on the block's pool with ``paged``."""
+class AttentionCache(KindCache):
+    """The full-attention cache of one block in one session: a page table per sequence over the block's
+    ``PagePool``, pages taken as the session grows and given back when it rewinds or ends; any position
+    it holds is a rewind point, and beams move slot by slot."""
 
-    pool_class: type[PagePool] = PagePool
-
-    def __init__(
-        self,
-        spec: FullAttentionSpec,
-        batch_size: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        *,
-        pool: PagePool | None = None,
-        layer_index: int = 0,
-    ) -> None:
-        standalone = pool is None
-        if pool is None:  # a pool of its own, the whole max_length up front: one page per sequence, or
-            # small pages for a kind that gives back what it no longer needs
-            length = max(max_length, 1)
-            page_tokens = length if spec.tokens_held(length) >= length else PAGE_TOKENS
-            pages = max(batch_size, 1) * -(-length // page_tokens)
-            pool = self.pool_class(spec, pages, page_tokens, dtype, device)
-        self.pool, self.spec, self.layer_index = pool, spec, layer_index
-        self.num_sequences, self.max_length = batch_size, max_length
-        self.length = 0
-        self.dropped = 0  # pages at the start of every row given back (a sliding window's)
-        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self._table_tensor: torch.Tensor | None = None
-        self._contiguous: int | None | object = _UNKNOWN  # contiguous_start(), once computed
-        self._released = False
-        if standalone:
-            self.reserve(max_length)
+    pool_class = PagePool
+    pool: PagePool
+    serves = (FullAttentionSpec,)
 
     @classmethod
-    def paged(cls, pool: PagePool, batch_size: int, max_length: int, layer_index: int = 0) -> AttentionCache:
-        """A session's cache on a block's shared pool: it takes pages as it grows."""
-        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
-
-    @classmethod
-    def make_pool(
-        cls,
-        spec: FullAttentionSpec,
-        tokens: int,
-        page_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        *,
-        arena: PageArena | None = None,
-        home: int = 0,
-    ) -> PagePool:
-        """A block's pool, shared by its sessions: on a server's ``arena`` (its pages, looked for from
-        ``home`` on), or of its own for ``tokens`` tokens in pages of ``page_tokens``."""
-        if arena is not None:
-            return cls.pool_class(spec, dtype=dtype, arena=arena, home=home)
-        return cls.pool_class(spec, max(1, tokens // page_tokens), page_tokens, dtype, device)
-
-    @classmethod
-    def page_demand(
-        cls, spec: FullAttentionSpec, dtype: torch.dtype, page_tokens: int
-    ) -> tuple[tuple[int, int], ...]:
-        """``(bytes, row bytes)`` of a page of ``page_tokens`` tokens of this kind, one token a row (what an
-        arena's page size is made from)."""
-        row = cls.pool_class.row_nbytes(spec, dtype)
-        return ((page_tokens * row, row),)
-
-    @staticmethod
-    def merged(caches: Sequence[AttentionCache]) -> PagedCache:
-        """One transformers ``Cache`` over all rows of ``caches`` (sessions on the same block), for one forward."""
+    def merged(cls, caches: Sequence[AttentionCache]) -> PagedCache:
         return PagedCache(caches)
-
-    def view(self) -> PagedCache:
-        """This session alone, as a transformers ``Cache``."""
-        return self.merged([self])
-
-    @property
-    def position(self) -> int:
-        """How many tokens are cached."""
-        return self.length
-
-    @property
-    def pages_held(self) -> int:
-        return sum(len(table) for table in self.tables)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the pages this cache holds."""
-        return self.pages_held * self.pool.page_nbytes
-
-    @property
-    def first_held(self) -> int:
-        """The first position whose keys and values are still held."""
-        return self.dropped * self.pool.page_tokens
-
-    def reserve(self, new_tokens: int) -> None:
-        """Take the pages that ``new_tokens`` more tokens need (raises, taking none, if it cannot)."""
-        end = self.length + new_tokens
-        if end > self.max_length:
-            raise CacheOverflowError(
-                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
-                f"> max_length {self.max_length}"
-            )
-        missing = self.pool.pages_for(end) - self.dropped - len(self.tables[0]) if self.tables else 0
-        if missing <= 0:
-            return
-        with self.pool.lock:
-            if self._released:
-                raise RuntimeError("this session's cache was released: the session has ended")
-            if missing * self.num_sequences > self.pool.free_pages:
-                self.pool.take(missing * self.num_sequences)  # raises, taking none
-            for table in self.tables:  # each row after its last page: a lone sequence's pages stay in a row
-                table.extend(self.pool.take(missing, table[-1] if table else None))
-        self._changed()
 
     def visible_offset(self, length: int) -> int:
         """The first position a step after ``length`` cached tokens attends to (0: all of them)."""
         return 0
-
-    def written(self) -> None:
-        """Called after a step's keys and values are written and read (a window drops what it no longer needs)."""
 
     def slots(self, start: int, end: int) -> torch.LongTensor:
         """``[sequences, end - start]``: where positions ``start..end-1`` of each sequence live in the pool."""
@@ -176,86 +70,45 @@ class AttentionCache:
             return None
         return (table[0] - self.dropped) * self.pool.page_tokens
 
-    def rewind(self, position: int) -> None:
-        """Forget every token from ``position`` on (the next step writes there); give back unused pages."""
-        if not 0 <= position <= self.position:
-            raise ValueError(f"cannot rewind to position {position}: {self.position} tokens are cached")
-        self._check_rewind(position)
-        self.length = position
-        keep = self.pool.pages_for(position) - self.dropped
-        freed = []
-        for table in self.tables:
-            freed.extend(table[keep:])
-            del table[keep:]
-        self.pool.give_back(freed)
-        self._changed()
-
-    def _check_rewind(self, position: int) -> None:
-        """Raise if rewinding to ``position`` would need tokens no longer held."""
-
     def reorder(self, hypo_ids: torch.Tensor) -> None:
-        """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``."""
         check_hypo_ids(hypo_ids, self.num_sequences)
         slots = self.slots(self.first_held, self.length)
         sources = slots[hypo_ids.to(slots.device)].flatten()
         for tensor in self.pool.tensors:
             tensor.index_copy_(0, slots.flatten(), tensor.index_select(0, sources))
 
-    def release(self) -> None:
-        """Give every page back to the pool; the cache takes no more (the session has ended)."""
-        with self.pool.lock:
-            self._released = True
-            self.release_pages()
-
-    def release_pages(self) -> None:
-        """Give every page back and start over at position 0."""
-        with self.pool.lock:
-            pages = [page for table in self.tables for page in table]
-            for table in self.tables:
-                table.clear()
-        self.pool.give_back(pages)
-        self.length = self.dropped = 0
-        self._changed()
-
     def _changed(self) -> None:
-        self._table_tensor, self._contiguous = None, _UNKNOWN
+        self._table_tensor: torch.Tensor | None = None
+        self._contiguous: int | None | object = _UNKNOWN  # contiguous_start(), once computed
 
 
 class SlidingWindowCache(AttentionCache):
     """A sliding-window (or chunked) attention cache: after each step it gives back the pages whose
     tokens no later query can attend, keeping ``spec.tokens_kept`` tokens (the window and a margin
-    for rollback)."""
+    for rollback), so it rewinds only as far as that margin (or to 0)."""
 
     spec: SlidingWindowSpec
+    serves = (SlidingWindowSpec, ChunkedAttentionSpec)
 
     def visible_offset(self, length: int) -> int:
         return max(0, length - (self.spec.window - 1))
 
     def written(self) -> None:
         drop = max(0, self.length - self.spec.tokens_kept) // self.pool.page_tokens - self.dropped
-        if drop <= 0:
-            return
-        freed = []
-        for table in self.tables:
-            freed.extend(table[:drop])
-            del table[:drop]
-        self.dropped += drop
-        self.pool.give_back(freed)
-        self._changed()
+        if drop > 0:
+            self._give_back(0, front=drop)
+            self.dropped += drop
 
-    def _check_rewind(self, position: int) -> None:
-        if self.visible_offset(position) < self.first_held:
-            raise ValueError(
-                f"cannot rewind to position {position}: this sliding-window cache keeps tokens from "
-                f"{self.first_held} on (at most {self.spec.tokens_kept - self.spec.window + 1} tokens of rollback "
-                "past its window); start a new session to go further back"
-            )
+    def resumable(self, position: int) -> int:
+        position = min(position, self.length)
+        return position if position == 0 or self.visible_offset(position) >= self.first_held else 0
 
-    def rewind(self, position: int) -> None:
-        if position == 0:  # a fresh start needs nothing that was dropped
-            self.release_pages()
-            return
-        super().rewind(position)
+    def refusal(self, position: int) -> str:
+        return (
+            f"cannot rewind to position {position}: this sliding-window cache keeps tokens from "
+            f"{self.first_held} on (at most {self.spec.tokens_kept - self.spec.window + 1} tokens of rollback "
+            "past its window); start a new session to go further back"
+        )
 
 
 class PagedLayer(CacheLayerMixin):
@@ -269,7 +122,7 @@ class PagedLayer(CacheLayerMixin):
         self.pool = self.members[0].pool
         if any(member.pool is not self.pool for member in self.members):
             raise ValueError("caches computed in one forward must share one page pool")
-        self.is_sliding = isinstance(self.members[0], SlidingWindowCache)
+        self.is_sliding = isinstance(self.members[0].spec, SlidingWindowSpec)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -409,6 +262,10 @@ class RowsCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(member.length for member in self.members)
+
+    def finish_step(self, new_tokens: int) -> None:
+        """The block's forward of ``new_tokens`` tokens returned (``ServerBlockMixin`` calls this): a kind
+        whose layer may update its state in place stores it now; keys and values are written already."""
 
     def _row_lengths(self, device: torch.device | str) -> torch.Tensor:
         lengths = [member.length for member in self.members for _ in range(member.num_sequences)]

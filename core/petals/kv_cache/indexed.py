@@ -42,6 +42,7 @@ class IndexedAttentionCache(AttentionCache):
     """One session's indexed-attention cache of one block: its keys, values and indexer keys in pages."""
 
     pool_class = IndexedPagePool
+    serves = (IndexedAttentionSpec,)
 
     @staticmethod
     def merged(caches: Sequence[IndexedAttentionCache]) -> IndexedPagedCache:

@@ -14,94 +14,63 @@ from collections.abc import Sequence
 import torch
 
 from petals.kv_cache.attention import RowsCache, check_hypo_ids
-from petals.kv_cache.pages import CacheOverflowError
+from petals.kv_cache.base import KindCache, Pool
 from petals.kv_cache.specs import SharedKVSpec, SlidingWindowSpec
 
 
-class SharedKVPool:
-    """What a block of this kind takes from the server's budget: nothing (``parts`` is empty)."""
+class SharedKVPool(Pool):
+    """What a block of this kind takes from the server's budget: nothing (no arena, no ``parts``)."""
 
-    parts = ()
-    nbytes = 0
+    spec: SharedKVSpec
 
-    def __init__(self, spec: SharedKVSpec) -> None:
-        self.spec = spec
-
-
-class SharedKVCache:
-    """One session's cache of a block that reuses its source's keys and values: its length alone."""
-
-    def __init__(
-        self,
-        spec: SharedKVSpec,
-        batch_size: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        *,
-        layer_index: int = 0,
-    ) -> None:
-        self.spec, self.layer_index = spec, layer_index
-        self.num_sequences, self.max_length = batch_size, max_length
-        self.length = 0
+    def __init__(self, spec: SharedKVSpec, *args, **kwargs) -> None:
+        super().__init__(spec, None, page_tokens=0)
 
     @classmethod
-    def paged(
-        cls, pool: SharedKVPool, batch_size: int, max_length: int, layer_index: int = 0
-    ) -> SharedKVCache:
-        return cls(pool.spec, batch_size, max_length, layer_index=layer_index)
-
-    @classmethod
-    def make_pool(
-        cls,
-        spec: SharedKVSpec,
-        tokens: int,
-        page_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        **where,
-    ) -> SharedKVPool:
-        return SharedKVPool(spec)
-
-    @staticmethod
-    def page_demand(spec: SharedKVSpec, dtype: torch.dtype, page_tokens: int) -> tuple[tuple[int, int], ...]:
+    def page_demand(
+        cls, spec: SharedKVSpec, dtype: torch.dtype, page_tokens: int
+    ) -> tuple[tuple[int, int], ...]:
         return ()
 
-    @staticmethod
-    def merged(caches: Sequence[SharedKVCache]) -> SharedRowsCache:
-        return SharedRowsCache(caches)
+    @classmethod
+    def for_budget(cls, spec: SharedKVSpec, *args) -> SharedKVPool:
+        return cls(spec)
 
-    def view(self) -> SharedRowsCache:
-        return self.merged([self])
+    for_session = for_budget
 
     @property
-    def position(self) -> int:
-        return self.length
+    def parts(self) -> tuple[Pool, ...]:
+        return ()
 
-    nbytes = 0
+    def pages_for(self, tokens: int) -> int:
+        return 0
+
+    def max_pages(self, length: int) -> int:
+        return 0
+
+
+class SharedKVCache(KindCache):
+    """One session's cache of a block that reuses its source's keys and values: its length alone."""
+
+    pool_class = SharedKVPool
+    spec: SharedKVSpec
+    serves = (SharedKVSpec,)
+
+    @classmethod
+    def make_pool(cls, spec: SharedKVSpec, *args, **where) -> SharedKVPool:
+        return SharedKVPool(spec)
+
+    @classmethod
+    def merged(cls, caches: Sequence[SharedKVCache]) -> SharedRowsCache:
+        return SharedRowsCache(caches)
 
     def visible_offset(self, length: int) -> int:
         """The first position the source's keys cover after ``length`` cached tokens (its window's)."""
         attention = self.spec.attention
         return max(0, length - (attention.window - 1)) if isinstance(attention, SlidingWindowSpec) else 0
 
-    def reserve(self, new_tokens: int) -> None:
-        if self.length + new_tokens > self.max_length:
-            raise CacheOverflowError(
-                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
-                f"> max_length {self.max_length}"
-            )
-
-    def rewind(self, position: int) -> None:
-        if not 0 <= position <= self.length:
-            raise ValueError(f"cannot rewind to position {position}: {self.length} tokens are cached")
-        self.length = position
-
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         check_hypo_ids(hypo_ids, self.num_sequences)  # the source's cache reorders the keys themselves
-
-    def release(self) -> None:
-        self.length = 0
 
 
 class SharedKVLayer:
@@ -141,4 +110,4 @@ class SharedRowsCache(RowsCache):
     def finish_step(self, new_tokens: int) -> None:
         """The block's forward returned (``ServerBlockMixin`` calls this): the rows moved on."""
         for member in self.members:
-            member.length += new_tokens
+            member.advance(new_tokens)

@@ -1,10 +1,11 @@
-"""The manager of linear-attention state: one fixed-size state per sequence, no pages.
+"""The linear-attention kind: one fixed-size state per sequence, a page of its own.
 
 A gated delta net layer (Qwen3-Next's linear attention) keeps, per sequence, the last inputs of its
 causal convolution and one recurrent matrix per head, whatever the sequence's length
-(``LinearAttentionSpec``). A block's ``StatePool`` holds a number of sequence slots; each slot holds
-the live state and ``spec.snapshots`` earlier ones. ``LinearAttentionState`` is one session's state
-of one block: a slot per sequence, taken when the session opens and given back when it ends.
+(``LinearAttentionSpec``). A block's ``StatePool`` lays each page out as one sequence's slot: the
+live state and ``spec.snapshots`` earlier ones. ``LinearAttentionState`` is one session's state of one
+block, a ``KindCache`` (``petals.kv_cache.base``) whose page table holds one slot per sequence, taken
+when the session opens and given back when it ends (or lent, kept and reclaimed as any kind's pages).
 
 A forward sees one or more sessions' states through ``StateCache``, a transformers ``Cache`` whose
 layer at the block's index is a linear-attention layer (``get_conv_state``, ``update_conv_state``,
@@ -35,27 +36,26 @@ budget and the planner count (``bytes_per_sequence``), so they are few (``REWIND
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from petals.kv_cache.arena import PageArena, aligned, field
-from petals.kv_cache.attention import (
-    AttentionCache,
-    PagedLayer,
-    RowsCache,
-    check_hypo_ids,
-)
-from petals.kv_cache.pages import CacheOverflowError, PagePool
+from petals.kv_cache.attention import AttentionCache, PagedLayer, RowsCache, check_hypo_ids
+from petals.kv_cache.base import CacheGroup, KindCache, Pool
+from petals.kv_cache.pages import PagePool
 from petals.kv_cache.specs import TOKENS_PER_SEQUENCE, HybridSpec, LinearAttentionSpec
 
 
-class StatePool:
+class StatePool(Pool):
     """One block's linear-attention states, one sequence's slot to a page of an arena: its live state and
     its snapshots, shared by the block's sessions. ``page_tokens`` is the share of the server's token
     budget one slot stands for (``TOKENS_PER_SEQUENCE``). On a server's ``arena`` the
-    slots are pages of the free list every block shares; alone, the pool has ``num_pages`` of its own.
-    Slots are taken under the arena's lock, and ``on_free`` callbacks hear of slots given back."""
+    slots are pages of the free list every block shares; alone, the pool has ``num_pages`` of its own."""
+
+    spec: LinearAttentionSpec
+    unit = "sequence states"
 
     def __init__(
         self,
@@ -76,8 +76,7 @@ class StatePool:
             raise ValueError(
                 f"a sequence's state takes {self.slot_nbytes(spec, dtype)} bytes, more than a page of {arena.page_nbytes}"
             )
-        self.spec, self.arena, self.home = spec, arena, home
-        self.num_pages, self.page_tokens = arena.num_pages, page_tokens
+        super().__init__(spec, arena, page_tokens, home)
         copies = 1 + spec.snapshots  # index 0: the live state
         self.conv = field(arena.storage, 0, dtype, (copies, spec.conv_dim, spec.conv_kernel))
         self.recurrent = (  # None: a layer that keeps its convolution's inputs only
@@ -90,9 +89,6 @@ class StatePool:
                 (copies, *spec.recurrent_shape),
             )
         )
-        self.lock = arena.lock
-        self.pages_held = 0  # of the arena's pages, by this pool's sessions
-        self.on_free = arena.on_free
 
     @staticmethod
     def slot_nbytes(spec: LinearAttentionSpec, dtype: torch.dtype) -> int:
@@ -107,124 +103,82 @@ class StatePool:
             + copies * torch.Size(spec.recurrent_shape).numel() * spec.state_dtype(dtype).itemsize
         )
 
-    @property
-    def free_pages(self) -> int:
-        return self.arena.free_pages
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes one sequence's slot takes of the arena (its state and snapshots, in a page)."""
-        return self.arena.page_nbytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the arena the pool's slots come from."""
-        return self.arena.nbytes
-
-    def pages_for(self, tokens: int) -> int:
-        """A sequence takes one slot, whatever its length."""
-        return 1
-
-    def max_pages(self, length: int) -> int:
-        return 1
-
-    def take(self, count: int) -> list[int]:
-        with self.lock:
-            pages = self.arena.take(count, self.home, "sequence states")
-            self.pages_held += count
-        return pages
-
-    def give_back(self, slots: Sequence[int]) -> None:
-        with self.lock:
-            self.pages_held -= len(slots)
-        self.arena.give_back(slots)
-
-
-class LinearAttentionState:
-    """The linear-attention state of one block in one session: a slot per sequence in a ``StatePool``,
-    with snapshots for rollback. Without a pool it is standalone (tests, measurements)."""
-
-    def __init__(
-        self,
-        spec: LinearAttentionSpec,
-        batch_size: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        *,
-        pool: StatePool | None = None,
-        layer_index: int = 0,
-    ) -> None:
-        if pool is None:
-            pool = StatePool(spec, max(batch_size, 1), dtype=dtype, device=device)
-        self.pool, self.spec, self.layer_index = pool, spec, layer_index
-        self.num_sequences, self.max_length = batch_size, max_length
-        self.length = 0
-        self.slots = pool.take(batch_size)
-        self._index = torch.tensor(self.slots, dtype=torch.long, device=pool.conv.device)
-        self.snapshots: list[tuple[int, int]] = []  # (position, copy index), oldest first
-        self._released = False
-        self._zero(slice(None))
+    @classmethod
+    def page_demand(
+        cls, spec: LinearAttentionSpec, dtype: torch.dtype, page_tokens: int
+    ) -> tuple[tuple[int, int], ...]:
+        """A page holding one sequence's state, a row of its own."""
+        slot = cls.slot_nbytes(spec, dtype)
+        return ((slot, slot),)
 
     @classmethod
-    def make_pool(
+    def for_budget(
         cls,
         spec: LinearAttentionSpec,
         tokens: int,
         page_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        *,
-        arena: PageArena | None = None,
-        home: int = 0,
     ) -> StatePool:
-        """A block's pool: on a server's ``arena`` (a slot per page), or of its own for a budget of
-        ``tokens`` tokens (one sequence per ``TOKENS_PER_SEQUENCE``)."""
-        if arena is not None:
-            return StatePool(spec, dtype=dtype, arena=arena, home=home)
-        return StatePool(spec, spec.sequences(tokens), TOKENS_PER_SEQUENCE, dtype, device)
-
-    @staticmethod
-    def page_demand(
-        spec: LinearAttentionSpec, dtype: torch.dtype, page_tokens: int
-    ) -> tuple[tuple[int, int], ...]:
-        """``(bytes, row bytes)`` of a page holding one sequence's state, a row of its own."""
-        slot = StatePool.slot_nbytes(spec, dtype)
-        return ((slot, slot),)
+        """One sequence per ``TOKENS_PER_SEQUENCE`` tokens of the budget."""
+        return cls(spec, spec.sequences(tokens), TOKENS_PER_SEQUENCE, dtype, device)
 
     @classmethod
-    def paged(
-        cls, pool: StatePool, batch_size: int, max_length: int, layer_index: int = 0
-    ) -> LinearAttentionState:
-        """A session's state on a block's shared pool (it takes its slots now)."""
-        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
+    def for_session(
+        cls,
+        spec: LinearAttentionSpec,
+        batch_size: int,
+        max_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> StatePool:
+        return cls(spec, max(batch_size, 1), dtype=dtype, device=device)
 
-    @staticmethod
-    def merged(caches: Sequence[LinearAttentionState]) -> StateCache:
-        """One transformers ``Cache`` over all rows of ``caches`` (sessions on the same block), for one forward."""
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one sequence's slot takes of the arena (its state and snapshots, in a page)."""
+        return self.arena.page_nbytes
+
+    def pages_for(self, tokens: int) -> int:
+        """A sequence takes one slot, whatever its length (from its start: a state exists at position 0)."""
+        return 1
+
+    def max_pages(self, length: int) -> int:
+        return 1
+
+
+class LinearAttentionState(KindCache):
+    """The linear-attention state of one block in one session: a slot per sequence in a ``StatePool``
+    (its page table holds that one page), with snapshots for rollback. Without a pool it is standalone
+    (tests, measurements)."""
+
+    pool_class = StatePool
+    pool: StatePool
+    spec: LinearAttentionSpec
+    serves = (LinearAttentionSpec,)
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.snapshots: list[tuple[int, int]] = []  # (position, copy index), oldest first
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def merged(cls, caches: Sequence[LinearAttentionState]) -> StateCache:
         return StateCache(caches)
 
-    def view(self) -> StateCache:
-        """This session alone, as a transformers ``Cache``."""
-        return StateCache([self])
-
     @property
-    def position(self) -> int:
-        return self.length
+    def slots(self) -> list[int]:
+        """Each sequence's slot (its one page)."""
+        return [table[0] for table in self.tables if table]
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._released else self.num_sequences * self.pool.page_nbytes
+    def _changed(self) -> None:
+        self._index = torch.tensor(self.slots, dtype=torch.long, device=self.pool.conv.device)
 
-    def reserve(self, new_tokens: int) -> None:
-        """Check that ``new_tokens`` more tokens fit ``max_length`` (the state itself never grows)."""
-        if self._released:
-            raise RuntimeError("this session's cache was released: the session has ended")
-        if self.length + new_tokens > self.max_length:
-            raise CacheOverflowError(
-                f"Maximum length exceeded: {self.length} cached + {new_tokens} new tokens "
-                f"> max_length {self.max_length}"
-            )
+    def _initialize(self, pages: list[int]) -> None:
+        """A slot just taken starts from zeros (another kind may have written its page)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.pool.conv.device)
+        self.pool.conv[index] = 0
+        if self.pool.recurrent is not None:
+            self.pool.recurrent[index] = 0
 
     def snapshot(self) -> None:
         """Keep the live state as it is at this position (before a step changes it), dropping the oldest."""
@@ -243,29 +197,31 @@ class LinearAttentionState:
 
     def stepped(self, new_tokens: int) -> None:
         """Called once a step's new state is written: the live state is ``new_tokens`` further on."""
-        self.length += new_tokens
+        self.advance(new_tokens)
 
-    def rewind(self, position: int) -> None:
-        """Go back to ``position``: the start of one of the last steps (its snapshot), or 0."""
-        if not 0 <= position <= self.length:
-            raise ValueError(f"cannot rewind to position {position}: {self.length} tokens are cached")
-        if position == self.length:
-            return
+    def resumable(self, position: int) -> int:
+        """``position`` if it is 0, the live state's or a snapshot's position; else the latest of those
+        before it."""
+        position = min(position, self.length)
+        kept = {0, self.length, *(kept for kept, _ in self.snapshots)}
+        return max(point for point in kept if point <= position)
+
+    def refusal(self, position: int) -> str:
+        kept = ", ".join(str(kept) for kept, _ in self.snapshots) or "none"
+        return (
+            f"cannot rewind to position {position}: a linear-attention state goes back only to the start "
+            f"of one of its last {self.spec.snapshots} steps (kept: {kept}) or to 0; start a new session "
+            "to go elsewhere"
+        )
+
+    def restore(self, position: int) -> None:
+        """The snapshot of ``position`` becomes the live state (zeros at 0)."""
         if position == 0:
             self._zero(slice(None))
             self.snapshots.clear()
-        else:
-            copy = dict(self.snapshots).get(position)
-            if copy is None:
-                kept = ", ".join(str(kept) for kept, _ in self.snapshots) or "none"
-                raise ValueError(
-                    f"cannot rewind to position {position}: a linear-attention state goes back only to the start "
-                    f"of one of its last {self.spec.snapshots} steps (kept: {kept}) or to 0; start a new session "
-                    "to go elsewhere"
-                )
-            self._copy(copy, 0)
-            self.snapshots = [(kept, index) for kept, index in self.snapshots if kept < position]
-        self.length = position
+            return
+        self._copy(dict(self.snapshots)[position], 0)
+        self.snapshots = [(kept, index) for kept, index in self.snapshots if kept < position]
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Reorder the batch (beam search): row ``i`` becomes old row ``hypo_ids[i]``, snapshots included."""
@@ -274,14 +230,6 @@ class LinearAttentionState:
         self.pool.conv[self._index] = self.pool.conv[sources]
         if self.pool.recurrent is not None:
             self.pool.recurrent[self._index] = self.pool.recurrent[sources]
-
-    def release(self) -> None:
-        """Give the slots back to the pool (the session has ended)."""
-        with self.pool.lock:
-            if self._released:
-                return
-            self._released = True
-        self.pool.give_back(self.slots)
 
     def _copy(self, source: int, target: int) -> None:
         """Copy each sequence's state ``source`` (0: the live one) onto its state ``target``: slot by slot,
@@ -436,11 +384,13 @@ class HybridPool:
         return sum(arena.nbytes for arena in arenas.values())
 
 
-class HybridCache:
+class HybridCache(CacheGroup):
     """One session's cache of a hybrid block: its keys and values (``attention``, kept by the manager of
     their kind in ``MANAGERS``) and its state (``state``, a ``LinearAttentionState``), grown, rewound,
     reordered and released together. A rewind goes only where the state can go (the start of one of
     its last steps, or 0)."""
+
+    serves = (HybridSpec,)
 
     def __init__(
         self,
@@ -452,6 +402,7 @@ class HybridCache:
         *,
         pool: HybridPool | None = None,
         layer_index: int = 0,
+        lease: Any = None,
     ) -> None:
         attention = _attention_manager(spec)
         if pool is None:
@@ -462,15 +413,16 @@ class HybridCache:
                 spec.state, batch_size, max_length, dtype, device, layer_index=layer_index
             )
         else:
-            self.attention = attention.paged(pool.attention, batch_size, max_length, layer_index)
+            self.attention = attention.paged(pool.attention, batch_size, max_length, layer_index, lease)
             try:
-                self.state = LinearAttentionState.paged(pool.state, batch_size, max_length, layer_index)
+                self.state = LinearAttentionState.paged(
+                    pool.state, batch_size, max_length, layer_index, lease
+                )
             except BaseException:
                 self.attention.release()
                 raise
+        super().__init__((self.attention, self.state))
         self.spec, self.layer_index = spec, layer_index
-        self.num_sequences, self.max_length = batch_size, max_length
-        self.parts = (self.attention, self.state)
 
     @classmethod
     def make_pool(
@@ -501,8 +453,10 @@ class HybridCache:
         )
 
     @classmethod
-    def paged(cls, pool: HybridPool, batch_size: int, max_length: int, layer_index: int = 0) -> HybridCache:
-        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index)
+    def paged(
+        cls, pool: HybridPool, batch_size: int, max_length: int, layer_index: int = 0, lease: Any = None
+    ) -> HybridCache:
+        return cls(pool.spec, batch_size, max_length, pool=pool, layer_index=layer_index, lease=lease)
 
     @staticmethod
     def merged(caches: Sequence[HybridCache]) -> HybridRowsCache:
@@ -511,38 +465,10 @@ class HybridCache:
     def view(self) -> HybridRowsCache:
         return HybridRowsCache([self])
 
-    @property
-    def length(self) -> int:
-        return self.attention.length
-
-    @property
-    def position(self) -> int:
-        return self.attention.position
-
-    @property
-    def nbytes(self) -> int:
-        return self.attention.nbytes + self.state.nbytes
-
-    def reserve(self, new_tokens: int) -> None:
-        self.state.reserve(new_tokens)
-        self.attention.reserve(new_tokens)
-
-    def rewind(self, position: int) -> None:
-        self.state.rewind(position)  # first: it refuses what it cannot restore, before keys are dropped
-        self.attention.rewind(position)
-
-    def reorder(self, hypo_ids: torch.Tensor) -> None:
-        self.state.reorder(hypo_ids)
-        self.attention.reorder(hypo_ids)
-
-    def release(self) -> None:
-        self.state.release()
-        self.attention.release()
-
 
 def _attention_manager(spec: HybridSpec) -> type[AttentionCache]:
     """The manager of a hybrid block's attention part: its kind's, from the table of managers."""
-    from petals.kv_cache import manager_for  # the table imports this module
+    from petals.kv_cache import manager_for  # its refusals live beside the table
 
     return manager_for(spec.attention, "a hybrid block's attention")
 

@@ -22,14 +22,16 @@ import torch
 from transformers import PretrainedConfig
 
 from petals.block import cache_spec, shared_kv_kwargs
-from petals.convert import ShardedCache, TensorParallelBlock, using_adapter
+from petals.convert import TensorParallelBlock, using_adapter
 from petals.kv_cache import (
     CacheSpec,
+    HybridPool,
+    Lease,
     PageArena,
-    PagedCache,
-    PagePool,
+    Pool,
+    RowsCache,
     SessionCache,
-    StatePool,
+    ShardCaches,
     manager_for,
     open_cache,
 )
@@ -149,7 +151,7 @@ class BlockBackend:
         self,
         hidden: torch.Tensor,
         prompt: torch.Tensor | None,
-        cache: PagedCache | ShardedCache,
+        cache: RowsCache | list[RowsCache],
         shared: dict | None = None,
     ) -> torch.Tensor:
         """One step of a session (``shared``: as in ``forward``). A caller running many blocks per step
@@ -170,7 +172,7 @@ class BlockBackend:
             open_cache(spec, batch_size, max_length, self.dtype, device, layer_index=self.index)
             for spec, device in zip(self.shard_specs, self.devices, strict=True)
         ]
-        return ShardedCache(caches) if self.sharded else caches[0]
+        return ShardCaches(caches) if self.sharded else caches[0]
 
     def make_pools(
         self,
@@ -178,7 +180,7 @@ class BlockBackend:
         page_tokens: int,
         arenas: dict[torch.device, PageArena] | None = None,
         home: int = 0,
-    ) -> list[PagePool | StatePool]:
+    ) -> list[Pool | HybridPool]:
         """The pools this block's sessions share (one per tensor-parallel shard), each of its kind's making:
         on the server's arena of the shard's device (``arenas``; pages looked for from ``home`` on), or of
         their own for a budget of ``tokens`` tokens in pages of ``page_tokens`` tokens (measurements)."""
@@ -203,12 +205,24 @@ class BlockBackend:
             for demand in manager_for(spec).page_demand(spec, self.dtype, page_tokens)
         ]
 
-    def open_cache(self, pools: list[PagePool | StatePool], batch_size: int, max_length: int) -> SessionCache:
-        """A session's cache on ``pools`` (from ``make_pools``): it takes pages as it grows."""
-        caches = [
-            open_cache(pool.spec, batch_size, max_length, pool=pool, layer_index=self.index) for pool in pools
-        ]
-        return ShardedCache(caches) if self.sharded else caches[0]
+    def open_cache(
+        self, pools: list[Pool | HybridPool], batch_size: int, max_length: int, lease: Lease | None = None
+    ) -> SessionCache:
+        """A session's cache on ``pools`` (from ``make_pools``): it takes pages as it grows, counted on
+        ``lease`` (one cache per tensor-parallel shard, used as one)."""
+        caches = []
+        try:
+            for pool in pools:
+                caches.append(
+                    open_cache(
+                        pool.spec, batch_size, max_length, pool=pool, layer_index=self.index, lease=lease
+                    )
+                )
+        except BaseException:
+            for cache in caches:
+                cache.release()
+            raise
+        return ShardCaches(caches) if self.sharded else caches[0]
 
     def _input(self, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)

@@ -13,6 +13,11 @@ nothing of hivemind, protobufs or streams. Its two halves meet in one queue:
   (``scheduler.Scheduler``) which queued tasks run next; ``step(batch)`` runs them with torch and hands
   each job its task's result, which queues the job's next task or settles its future.
 
+A session's pages are counted on its lease (``petals.kv_cache.lending``): a session whose client went
+silent lends them (``lend``), one that ends may be kept for its client (``close_session(keep=...)``) and
+continued by a later session of that client (the first request's ``resume``), and a step that needs
+pages takes idle and kept ones, then preempts the most recently admitted session.
+
 Tests drive both halves by hand on a fake clock (``tests/test_server_engine.py``); a server runs one
 ``ComputeThread`` per engine.
 """
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 
 from petals.block import closed_boundaries
-from petals.kv_cache import check_span
+from petals.kv_cache import SessionPreempted, check_span, furthest_common
 from petals.server.backend import BlockBackend, BlockGraph, HostedBlocks, backward_span
 from petals.server.cache_budget import CacheBudget
 from petals.server.metrics import NO_METRICS, ServerMetrics
@@ -40,12 +45,14 @@ from petals.server.sessions import DecodeStep, ServerInferenceSession, SessionRe
 from petals.server.settings import BACKWARD_GRAPH_BYTES
 from petals.server.validation import (
     Limits,
+    Resume,
     StepArgs,
     backward_args,
     blocks_named,
     check_adapter,
     check_hypo_ids,
     check_max_length,
+    check_resume,
     check_step_position,
     forward_args,
     inference_args,
@@ -59,7 +66,14 @@ PREFILL_CHUNK_TOKENS = 512  # longer steps run in chunks of this many tokens, ea
 # what a job yields (a task to run) and, in the end, returns (the request's result)
 Job = Generator[Task, Any, Any]
 # counters reported under rpc_info's "stats" (stock Petals peers ignore that key)
-EVENTS = ("inference_steps", "steps_from_pushes", "duplicate_steps_dropped", "pushes_sent", "pushes_failed")
+EVENTS = (
+    "inference_steps",
+    "steps_from_pushes",
+    "duplicate_steps_dropped",
+    "pushes_sent",
+    "pushes_failed",
+    "sessions_resumed",
+)
 
 
 class _Request:
@@ -98,7 +112,7 @@ class ServingEngine:
         self.dht_prefix, self.metrics, self.clock = dht_prefix, metrics, clock
         self.sessions = SessionRegistry()
         self.events: collections.Counter[str] = collections.Counter(dict.fromkeys(EVENTS, 0))
-        self.tokens_processed = 0
+        self.tokens_processed = 0  # token-blocks: a token through one block counts once
         self.busy_seconds = 0.0
         self.changed = threading.Condition()  # guards the scheduler; notified on every submission
         self.closed = closed_boundaries(blocks.config)  # where a request's span may not begin or end
@@ -135,27 +149,67 @@ class ServingEngine:
         return self._submit(_backward_job(backends, args, grad, self.graphs))
 
     async def open_session(
-        self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor]
+        self, uid_chain: str, metadata: dict, tensors: list[torch.Tensor], peer: str = ""
     ) -> tuple[ServerInferenceSession, StepArgs]:
-        """Admit a session (its first request's checks, KV-cache pages) and return it with its first step."""
+        """Admit a session (its first request's checks, KV-cache pages) and return it with its first step.
+        ``peer``: the client's peer id, whose kept sessions its ``resume`` may continue."""
         backends = self.backends(uid_chain, metadata)
         max_length = check_max_length(metadata, self.limits.inference_max_length)
+        resume = check_resume(metadata.get("resume"), max_length)
         structure = metadata.get("args_structure")
         args = self._inference_args(tensors, structure, len(backends))
         session_id = metadata.get("session_id") or str(uuid.uuid4())
         self.sessions.check_new(session_id)
-        batch_size, first_tokens = args.hidden.shape[:2]
-        alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
-        await self.budget.admit(backends, batch_size, max_length, first_tokens, alloc_timeout)
-        caches = self.budget.open_caches(backends, batch_size, max_length)
-        session = ServerInferenceSession(session_id, backends, caches, batch_size, max_length)
+        batch_size = args.hidden.shape[0]
+        span = (tuple((backend.uid, backend.adapter) for backend in backends), batch_size)
+        session = self._resumed(session_id, backends, max_length, span, peer, resume)
+        if session is None:
+            alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
+            if resume is not None and resume.position > 0:  # nothing kept: the client sends from 0
+                args = args.empty()
+            first_tokens = args.hidden.shape[1]
+            lease = await self.budget.admit(
+                backends, batch_size, max_length, first_tokens, alloc_timeout, span
+            )
+            caches = self.budget.open_caches(backends, batch_size, max_length, lease)
+            session = ServerInferenceSession(
+                session_id, backends, caches, batch_size, max_length, lease=lease, peer=peer
+            )
+            session.resumed_at = None if resume is None else 0
+        elif session.resumed_at < resume.position:  # it holds fewer tokens than the step starts after
+            args = args.empty()
         session.args_structure = structure
         try:
             self.sessions.add(session)  # another request may have opened the id while we waited for pages
         except WireError:
-            session.release()
+            session.end("refused")
             raise
         return session, args
+
+    def _resumed(
+        self,
+        session_id: str,
+        backends: list[BlockBackend],
+        max_length: int,
+        span: tuple,
+        peer: str,
+        resume: Resume | None,
+    ) -> ServerInferenceSession | None:
+        """The session that continues the client's kept one ``resume`` names, if it is still kept here: at
+        the furthest position up to ``resume.position`` all its blocks can rewind to (its first step
+        rewinds there)."""
+        lease = None if resume is None else self.budget.lender.resume((peer, resume.key), span)
+        if lease is None:
+            return None
+        self.events["sessions_resumed"] += 1
+        for cache in lease.caches:
+            cache.max_length = max_length
+        position = furthest_common(lease.caches, resume.position)
+        session = ServerInferenceSession(
+            session_id, backends, lease.caches, span[1], max_length, lease=lease, peer=peer
+        )
+        session.resumed_at = session.first_start = position
+        return session
 
     def step_args(
         self, session: ServerInferenceSession, metadata: dict, tensors: list[torch.Tensor]
@@ -177,6 +231,8 @@ class ServingEngine:
         """The span's output for one step of ``session`` (rewound to ``start_from_position`` if given)."""
         self.events["inference_steps"] += 1
         self.events["steps_from_pushes"] += bool(metadata.get("pushed"))
+        if session.preempted:  # its positions are gone: say so, not that the step does not fit them
+            raise SessionPreempted(session.lease.preemption)
         hidden = args.hidden
         if hidden.shape[0] != session.batch_size:
             raise WireError(
@@ -185,23 +241,38 @@ class ServingEngine:
         if args.hypo_ids is not None:
             check_hypo_ids(args.hypo_ids, session.batch_size)
         start = metadata.get("start_from_position")
+        if session.first_start is not None:  # a continued session's first step starts where it resumed
+            start, session.first_start = session.first_start, None
         check_step_position(session.position, start, hidden.shape[1], session.max_length)
         return self._submit(_inference_job(session, args, start, trace))
 
-    def close_session(self, session: ServerInferenceSession) -> None:
-        """Forget the session; its pages go back after its queued steps (never under a merged forward)."""
+    def lend(self, session: ServerInferenceSession) -> int:
+        """The session's client has been silent a while (no step in flight): lend its pages until its
+        next step. Returns how many pages."""
+        return session.lend()
+
+    def close_session(
+        self, session: ServerInferenceSession, reason: str = "closed", keep: str | None = None
+    ) -> None:
+        """Forget the session; after its queued steps (never under a merged forward) its pages go back, or
+        stay for its client under ``keep`` (``reason``: why it ended, for the log)."""
         self.sessions.remove(session)
         with self.changed:
             self.scheduler.forget(session.session_id)
-        self._submit(_release_job(session))
+        self._submit(_end_job(session, reason, keep))
 
     def info(self) -> dict[str, Any]:
         """What ``rpc_info`` reports about this server's state and counters."""
-        scheduler = self.scheduler
+        scheduler, budget = self.scheduler, self.budget
         return {
-            "cache_tokens_available": self.budget.tokens_left,
+            "cache_tokens_available": budget.tokens_left,
+            "cache_pages": budget.page_counts(),
+            "cache_queue": budget.queue(),
             "stats": {
                 **self.events,
+                "sessions_preempted": budget.lender.preemptions,
+                "sessions_reclaimed": budget.lender.reclaimed,
+                "sessions_kept": budget.lender.kept,
                 "merged_batches": scheduler.batches_merged,
                 # decode forwards by the number of sessions merged into them
                 **{f"decode_batch_size_{size}": count for size, count in scheduler.batch_sizes.items()},
@@ -268,7 +339,7 @@ class ServingEngine:
         with self.changed:
             self.scheduler.finished(batch, seconds)
         self.busy_seconds += seconds
-        self.tokens_processed += batch.tokens
+        self.tokens_processed += batch.token_blocks
         for task, result in zip(tasks, results, strict=True):
             self._advance(task.owner, result)
 
@@ -402,11 +473,18 @@ def _inference_job(
         step = DecodeStep(session, hidden, hypo_ids, start, trace)
         return (
             yield Task(
-                Priority.DECODE, tokens, run_decode_steps, item=step, key=key, member=session.session_id
+                Priority.DECODE,
+                tokens,
+                run_decode_steps,
+                item=step,
+                key=key,
+                member=session.session_id,
+                blocks=len(session.backends),
             )
         )
     if tokens <= MAX_SHORT_INFERENCE_TOKENS:
-        return (yield call(Priority.DECODE, tokens, _bind(_prepare_and_run, session, args, start)))
+        run = _bind(_prepare_and_run, session, args, start)
+        return (yield call(Priority.DECODE, tokens, run, blocks=len(session.backends)))
     # a long prefill: one task per chunk of tokens and block, so that others' decode steps slip in. A
     # chunk goes through every block before the next one starts: layers that reuse keys and values of
     # earlier ones see those of their own chunk (``shared``, one per chunk). Deep prompts add to the first
@@ -425,8 +503,8 @@ def _inference_job(
     return torch.cat(outputs, dim=1).cpu()
 
 
-def _release_job(session: ServerInferenceSession) -> Job:
-    yield call(Priority.DECODE, 0, session.release)
+def _end_job(session: ServerInferenceSession, reason: str, keep: str | None) -> Job:
+    yield call(Priority.DECODE, 0, _bind(session.end, reason, keep))
 
 
 def _prepare_and_run(session: ServerInferenceSession, args: StepArgs, start: int | None) -> torch.Tensor:

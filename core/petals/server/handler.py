@@ -6,6 +6,14 @@ decodes messages (``petals.wire``: bounded, nothing unpickled), hands requests t
 ``ServingEngine`` (which checks and computes them), encodes its answers, streams an inference
 session's steps and pushes outputs to the next server. A bad request fails alone with a
 ``WireError`` whose text, tagged with its kind, reaches the client.
+
+An inference session ends when its client sends an empty request (then, if a request of it carried
+``keep``, its pages stay for the client to continue: ``ServingEngine.close_session``), when its stream
+ends or fails, or past its timeouts; each end is logged with what became of its pages. A client silent
+for ``IDLE_SECONDS`` between steps lends its session's pages until its next step: a client stopped
+without closing its connection (SIGSTOP, with its p2p daemon or without) keeps its stream open until
+``--step_timeout`` (measured: libp2p noticed nothing in 2 minutes), but its pages go to whoever needs
+them after ``IDLE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from petals.server.engine import ServingEngine
 from petals.server.metrics import NO_METRICS, NoMetrics
 from petals.server.refusals import quiet_hivemind_refusals, reporting
 from petals.server.sessions import ServerInferenceSession
-from petals.server.validation import StepArgs, check_output_compression, max_request_bytes
+from petals.server.validation import StepArgs, check_keep, check_output_compression, max_request_bytes
 from petals.tracing import NO_TRACE, StepTrace, enabled_by_env, server_step_trace
 from petals.wire import (
     MAX_STREAM_PART_BYTES,
@@ -43,9 +51,11 @@ from petals.wire import (
     serialize_tensor,
     write_metadata,
 )
-from petals.wire_errors import WireError
+from petals.wire_errors import WireError, cut, shown
 
 logger = logging.getLogger(__name__)
+
+IDLE_SECONDS = 5.0  # a session whose client sends no step for this long lends its pages until its next one
 
 # an engine method computing forward or backward: (uid chain, metadata, tensors) → future of the tensors to send
 Computation = Callable[[ServingEngine, str, dict, list[torch.Tensor]], Future]
@@ -136,15 +146,19 @@ class TransformerConnectionHandler(ServicerBase):
                 return
             metadata = read_metadata(first.metadata)
             session, args = await self.engine.open_session(
-                first.uid, metadata, deserialize_tensors(first.tensors)
+                first.uid, metadata, deserialize_tensors(first.tensors), context.remote_id.to_base58()
             )
             reader = asyncio.create_task(self._feed(requests, session.inbox))
+            ending = _Ending()
             try:
-                async for response in self._serve_session(session, first, metadata, args):
+                async for response in self._serve_session(session, first, metadata, args, ending):
                     yield response
+            except BaseException as error:
+                ending.failed(error)
+                raise
             finally:
                 reader.cancel()
-                self.engine.close_session(session)
+                self.engine.close_session(session, ending.reason, ending.keep if ending.closed else None)
 
     async def _first_request(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
@@ -164,19 +178,29 @@ class TransformerConnectionHandler(ServicerBase):
         request: runtime_pb2.ExpertRequest,
         metadata: dict,
         args: StepArgs,
+        ending: _Ending,
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """One response per step until the client sends an empty request or leaves."""
+        """One response per step until the client sends an empty request or leaves (``ending`` says which,
+        and the ``keep`` its requests asked for)."""
         deadline = time.monotonic() + self.limits.session_timeout
         self.engine.claim_step(session, metadata)
+        ending.asked(metadata)
         trace = self._start_trace(metadata, 0.0)
+        resumed = None if session.resumed_at is None else {"position": session.resumed_at}
         while True:
-            yield await self._answer(session, request, metadata, args, trace)
+            yield await self._answer(session, request, metadata, args, trace, resumed)
+            resumed = None
             while True:  # skip steps already computed, before decoding their tensors
                 item = await self._next_request(session, deadline)
-                if item is None or not item[0].tensors:
+                if item is None:
+                    ending.reason = "its client's stream ended"
+                    return
+                if not item[0].tensors:
+                    ending.close(read_metadata(item[0].metadata) if item[0].metadata else {})
                     return
                 request, arrived = item
                 metadata = read_metadata(request.metadata)
+                ending.asked(metadata)
                 if self.engine.claim_step(session, metadata):
                     break
             trace = self._start_trace(metadata, arrived)
@@ -185,16 +209,34 @@ class TransformerConnectionHandler(ServicerBase):
     async def _next_request(
         self, session: ServerInferenceSession, deadline: float
     ) -> tuple[runtime_pb2.ExpertRequest, float] | None:
+        """The session's next request (None: its stream ended); while its client is silent, after
+        ``IDLE_SECONDS``, its pages are lent (no step of it is in flight while this waits)."""
         timeout = self.limits.session_timeout
         if deadline - time.monotonic() <= 0:
             raise WireError(f"session exceeded --session_timeout {timeout} s")
         try:
             async with asyncio.timeout(min(self.limits.step_timeout, deadline - time.monotonic())):
+                try:
+                    async with asyncio.timeout(IDLE_SECONDS):
+                        return await session.inbox.get()
+                except TimeoutError:
+                    self._lend(session)
                 return await session.inbox.get()
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise WireError(f"session exceeded --session_timeout {timeout} s") from None
             raise WireError(f"no inference step within --step_timeout {self.limits.step_timeout} s") from None
+
+    def _lend(self, session: ServerInferenceSession) -> None:
+        pages = self.engine.lend(session)
+        if pages:
+            logger.info(
+                "Session %s of %s silent for %.0f s: its %d pages are lent until its next step",
+                shown(session.session_id),
+                session.peer[-6:],
+                IDLE_SECONDS,
+                pages,
+            )
 
     async def _answer(
         self,
@@ -203,7 +245,10 @@ class TransformerConnectionHandler(ServicerBase):
         metadata: dict,
         args: StepArgs,
         trace: StepTrace,
+        reply: dict | None = None,
     ) -> runtime_pb2.ExpertResponse:
+        """The step's response; ``reply``: metadata it carries (a continued session's first: where it
+        resumed)."""
         started = time.perf_counter()
         trace.add_since("parse + checks", trace.marks.get("dequeued", 0.0))
         output = await asyncio.wrap_future(self.engine.inference_step(session, args, metadata, trace))
@@ -218,12 +263,12 @@ class TransformerConnectionHandler(ServicerBase):
             )  # the push is on the critical path, the reply only feeds the client's history
             trace.add_since("push", mark)
         self.metrics.inference_step_done(time.perf_counter() - started)
-        if not trace.enabled:
+        if trace.enabled:
+            trace.add_since("total in server", trace.marks["arrived"])
+            reply = {**(reply or {}), "server_trace": trace.times}
+        if not reply:
             return runtime_pb2.ExpertResponse(tensors=[output_proto])
-        trace.add_since("total in server", trace.marks["arrived"])
-        return runtime_pb2.ExpertResponse(
-            tensors=[output_proto], metadata=write_metadata({"server_trace": trace.times})
-        )
+        return runtime_pb2.ExpertResponse(tensors=[output_proto], metadata=write_metadata(reply))
 
     # ---- push --------------------------------------------------------------------------------
 
@@ -293,3 +338,27 @@ class TransformerConnectionHandler(ServicerBase):
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _Ending:
+    """How an inference session ended, for its log line, and the ``keep`` its client asked for."""
+
+    def __init__(self) -> None:
+        self.reason, self.keep, self.closed = "ended", None, False
+
+    def asked(self, metadata: dict) -> None:
+        """A request's metadata: the last ``keep`` asked for wins."""
+        if "keep" in metadata:
+            self.keep = check_keep(metadata["keep"])
+
+    def close(self, metadata: dict) -> None:
+        """The client closed the session (an empty request, whose metadata may ask to keep it)."""
+        self.asked(metadata)
+        self.reason, self.closed = "closed by its client", True
+
+    def failed(self, error: BaseException) -> None:
+        self.reason = (
+            "its client left"
+            if isinstance(error, GeneratorExit | asyncio.CancelledError)
+            else (f"failed: {cut(str(error), 120) or type(error).__name__}")
+        )

@@ -139,20 +139,47 @@ class _LiveStateCollector:
             "petals_server_open_sessions", "Open inference sessions", value=len(engine.sessions)
         )
         yield GaugeMetricFamily("petals_server_blocks", "Blocks this server hosts", value=len(engine.blocks))
+        budget = engine.budget
         cache = GaugeMetricFamily("petals_server_kv_cache_bytes", "KV-cache budget by use", labels=["use"])
-        cache.add_metric(["used"], engine.budget.bytes_used)
-        cache.add_metric(["free"], engine.budget.bytes_left)
+        cache.add_metric(["used"], budget.bytes_used)
+        cache.add_metric(["free"], budget.bytes_left)
+        cache.add_metric(["kept"], budget.bytes_kept)  # used by idle and kept sessions, yet available
         yield cache
+        pages = GaugeMetricFamily(
+            "petals_server_kv_cache_pages",
+            "KV-cache pages: held by live sessions, lent by idle and kept ones, free",
+            labels=["use"],
+        )
+        for use, count in budget.page_counts().items():
+            pages.add_metric([use], count)
+        yield pages
+        yield CounterMetricFamily(
+            "petals_server_sessions_preempted",
+            "Live sessions whose pages went to an older session (their clients replay them)",
+            value=budget.lender.preemptions,
+        )
+        yield CounterMetricFamily(
+            "petals_server_sessions_reclaimed",
+            "Idle or kept sessions whose pages went to another session",
+            value=budget.lender.reclaimed,
+        )
+        yield GaugeMetricFamily(
+            "petals_server_admission_waiting",
+            "Sessions waiting for KV cache to open",
+            value=budget.queue()["waiting"],
+        )
         held = GaugeMetricFamily(
             "petals_server_kv_cache_held_bytes",
-            "KV-cache bytes sessions hold, by cache kind",
+            "KV-cache bytes sessions hold (live, idle or kept), by cache kind",
             labels=["kind"],
         )
         for kind, nbytes in engine.budget.bytes_by_kind().items():
             held.add_metric([kind], nbytes)
         yield held
         yield CounterMetricFamily(
-            "petals_server_tokens_computed", "Tokens run through blocks", value=engine.tokens_processed
+            "petals_server_tokens_computed",
+            "Tokens computed, each counted once per block it went through (token-blocks)",
+            value=engine.tokens_processed,
         )
         yield CounterMetricFamily(
             "petals_server_compute_busy_seconds",

@@ -1,6 +1,6 @@
 """How a failed request reaches the peer: tagged with its kind, logged once, never as a traceback.
 
-A refusal (a malformed request, blocks not served, no KV cache left, a timeout) is the peer's
+A refusal (a malformed request, blocks not served, no KV cache left, a session preempted, a timeout) is the peer's
 problem or a passing state: one INFO line here, and ``[kind] text`` for the peer (``wire_errors.ERROR_KINDS``),
 so our clients know whether to retry elsewhere. Anything else is our failure: logged with its
 traceback, and sent as ``[internal]``.
@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 from hivemind.p2p import P2PContext, PeerID
 
-from petals.kv_cache import OutOfPagesError
+from petals.kv_cache import OutOfPagesError, SessionPreempted
 from petals.membership import AdmissionGuard, admitted
 from petals.server.cache_budget import AllocationFailed
 from petals.server.metrics import NoMetrics
@@ -48,6 +48,8 @@ class Refusal(Exception):
 
 
 def _kind(error: BaseException) -> str:
+    if isinstance(error, SessionPreempted):  # before OutOfPagesError, which it is
+        return error.kind
     if isinstance(error, AllocationFailed | OutOfPagesError):
         return "cache_full"
     if isinstance(error, TimeoutError):

@@ -61,6 +61,7 @@ class Task:
     # what it computes, where tasks of one priority and size differ in cost (a block's backward against
     # its forward): the thread count is learned for each apart
     work: str = field(compare=False, default="")
+    blocks: int = field(compare=False, default=1)  # blocks its tokens go through (a decode step: its span's)
 
 
 def task_kind(priority: int, work: str, tokens: int) -> Hashable:
@@ -68,9 +69,11 @@ def task_kind(priority: int, work: str, tokens: int) -> Hashable:
     return (int(priority), work, tokens.bit_length())
 
 
-def call(priority: Priority, tokens: int, function: Callable[[], Any], work: str = "") -> Task:
-    """A task that runs ``function()`` alone and yields its result."""
-    return Task(int(priority), tokens, lambda items: [function()], work=work)
+def call(
+    priority: Priority, tokens: int, function: Callable[[], Any], work: str = "", blocks: int = 1
+) -> Task:
+    """A task that runs ``function()`` alone and yields its result (``tokens`` through ``blocks`` blocks)."""
+    return Task(int(priority), tokens, lambda items: [function()], work=work, blocks=blocks)
 
 
 @dataclass
@@ -84,6 +87,11 @@ class Batch:
     @property
     def tokens(self) -> int:
         return sum(task.tokens for task in self.tasks)
+
+    @property
+    def token_blocks(self) -> int:
+        """Tokens times the blocks each went through: the work done, in one unit whatever the task."""
+        return sum(task.tokens * task.blocks for task in self.tasks)
 
 
 class Scheduler:

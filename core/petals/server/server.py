@@ -198,6 +198,8 @@ class Server:
             cache_tokens_left=budget.tokens_left if budget is not None else None,
             cache_bytes=budget.nbytes if budget is not None else None,
             cache_bytes_held=budget.bytes_by_kind() if budget is not None else None,
+            cache_pages=budget.page_counts() if budget is not None else None,
+            sessions_preempted=budget.lender.preemptions if budget is not None else None,
             next_pings=next_pings,
             weight_bytes=weight_bytes,
             dequantized_from=self.stored_as if self.settings.weights == "dequantized" else None,
@@ -445,11 +447,13 @@ class ServingSpan:
         return self.server.placement.check_delay(self.server.placement_rng)
 
     def _log_stats(self, tokens_per_second: float) -> None:
+        pages = self.budget.page_counts() if self.budget else {}
         logger.info(
-            "Serving %d sessions, %.1f tokens/s, KV cache left: %d tokens",
+            "Serving %d sessions, %.1f token-blocks/s, KV cache left: %d tokens (pages: %s)",
             len(self.engine.sessions),
             tokens_per_second,
             self.budget.tokens_left if self.budget else 0,
+            ", ".join(f"{count} {use}" for use, count in pages.items()) or "none",
         )
 
     async def leave(self) -> None:

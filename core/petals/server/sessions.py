@@ -6,21 +6,29 @@ Decode steps of several sessions over the same blocks run as one forward per blo
 sessions' caches merged (their page tables side by side over the block's pool): new keys and
 values land in each session's own pages, and attention reads every row's pages (one gather per
 block, left-padded to the longest row); no batch cache is built, and nothing is copied back.
+
+Each session's pages are counted on its lease (``petals.kv_cache.lending``): every compute task of a
+session first ``use``s it (an idle session is live again; one whose pages went to another session fails
+with ``SessionPreempted``), and a step that grows a session may preempt a newer one, even one merged
+into the same forward, which then fails alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from petals.kv_cache import CacheOverflowError, OutOfPagesError, SessionCache
+from petals.kv_cache import CacheOverflowError, Lease, OutOfPagesError, SessionCache, SessionPreempted
 from petals.server.backend import BlockBackend
 from petals.tracing import NO_TRACE, StepTrace
 from petals.wire_errors import WireError, shown
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +45,10 @@ class ServerInferenceSession:
     inbox: asyncio.Queue[tuple[Any, float] | None] = field(default_factory=asyncio.Queue)
     done_steps: set[str] = field(default_factory=set)
     args_structure: object = None  # the first request's, for steps that send none
+    lease: Lease | None = None  # its share of the server's cache pages (None: caches of their own)
+    peer: str = ""  # the client's peer id: the owner of the sessions it keeps
+    resumed_at: int | None = None  # where a session continuing a kept one starts (None: asked none)
+    first_start: int | None = None  # where its first step starts (a continued session's rewind)
 
     def claim(self, step_id: object) -> bool:
         """False for a step this session already computed (a push and the client's copy race)."""
@@ -56,19 +68,50 @@ class ServerInferenceSession:
         """Sessions with equal keys compute the same function of their inputs (blocks and adapter)."""
         return tuple((backend.uid, backend.adapter) for backend in self.backends)
 
+    @property
+    def preempted(self) -> bool:
+        """Whether its pages went to another session (its steps fail with ``SessionPreempted``)."""
+        return self.lease is not None and self.lease.preempted
+
     def close(self) -> None:
         """Ask the session's loop to finish (the loop frees the caches)."""
         self.inbox.put_nowait(None)
 
-    def release(self) -> None:
-        """Give the caches' pages back (in the compute thread: no forward is using them then)."""
-        for cache in self.caches:
-            cache.release()
+    def end(self, reason: str, keep: str | None = None) -> None:
+        """Give the caches' pages back, or keep them under ``keep`` for the client to continue (in the
+        compute thread, after the session's queued steps: no forward is using them then); logged."""
+        lease, position = self.lease, self.position
+        if lease is None:
+            for cache in self.caches:
+                cache.release()
+            return
+        pages = lease.total_pages
+        kept = lease.lender.keep(lease, (self.peer, keep)) if keep is not None else 0
+        if not kept:
+            lease.lender.end(lease)
+        logger.info(
+            "Session %s of %s ended (%s) at position %d: %s",
+            shown(self.session_id),
+            self.peer[-6:] or "this process",
+            reason,
+            position,
+            f"{kept} pages kept for its client" if kept else f"{pages} pages given back",
+        )
+
+    def lend(self) -> int:
+        """Its client went silent: lend its pages until its next step (how many)."""
+        return self.lease.lender.lend(self.lease) if self.lease is not None else 0
 
     # ---- compute (in the compute thread) -----------------------------------------------------
 
+    def use(self) -> None:
+        """About to compute: live again if idle, ``SessionPreempted`` if its pages went to another session."""
+        if self.lease is not None:
+            self.lease.use()
+
     def prepare(self, hypo_ids: torch.Tensor | None, start: int | None) -> None:
         """Rewind to ``start`` and reorder beams by ``hypo_ids`` before a step."""
+        self.use()
         for cache in self.caches:
             if start is not None:
                 cache.rewind(start)
@@ -85,6 +128,7 @@ class ServerInferenceSession:
     ) -> torch.Tensor:
         """Block ``index`` of the span on this step's tokens; ``shared``: one dict per pass over the span
         (``BlockBackend.forward``)."""
+        self.use()
         return self.backends[index].inference_step(hidden, prompt, self.caches[index].view(), shared)
 
     def run_blocks(self, hidden: torch.Tensor, prompts: list[torch.Tensor | None]) -> torch.Tensor:
@@ -122,14 +166,12 @@ def run_decode_steps(steps: list[DecodeStep]) -> list[torch.Tensor | Exception]:
 
 def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[torch.Tensor | Exception]:
     results: list[torch.Tensor | Exception | None] = [None] * len(steps)
-    ready = []
-    for index, step in enumerate(steps):
-        try:
-            step.session.prepare(step.hypo_ids, step.start)
-            step.session.reserve(step.hidden.shape[1])
-            ready.append(index)
-        except (OutOfPagesError, CacheOverflowError, ValueError) as error:
-            results[index] = error
+    ready = _each(steps, range(len(steps)), results, lambda step: step.session.use())  # idle ones first
+    ready = _each(steps, ready, results, _prepare)
+    for index in ready:  # a later session's pages may have made room for an earlier one's growth
+        if steps[index].session.preempted:
+            results[index] = SessionPreempted(steps[index].session.lease.preemption)
+    ready = [index for index in ready if results[index] is None]
     if ready and steps[0].hidden.shape[1] > 0:  # not a pre-allocation or rewind-only step
         batch = [steps[index] for index in ready]
         hidden, shared = torch.cat([step.hidden for step in batch]), {}
@@ -145,6 +187,24 @@ def _run_decode_steps(steps: list[DecodeStep], traces: list[StepTrace]) -> list[
     for index, output in zip(ready, outputs, strict=True):
         results[index] = output
     return results
+
+
+def _prepare(step: DecodeStep) -> None:
+    step.session.prepare(step.hypo_ids, step.start)
+    step.session.reserve(step.hidden.shape[1])
+
+
+def _each(steps: list[DecodeStep], indices, results: list, action) -> list[int]:
+    """``action(step)`` for each step at ``indices``; a session whose rewind, reorder or pages fail gets
+    its error as its result. Returns the indices of those that succeeded."""
+    done = []
+    for index in indices:
+        try:
+            action(steps[index])
+            done.append(index)
+        except (OutOfPagesError, CacheOverflowError, ValueError) as error:
+            results[index] = error
+    return done
 
 
 def _record_block(traces: list[StepTrace], backend: BlockBackend, started: float) -> None:

@@ -49,6 +49,22 @@ class StepArgs:
     def has_prompts(self) -> bool:
         return any(prompt is not None for prompt in self.prompts)
 
+    def empty(self) -> StepArgs:
+        """The same step with no tokens (computes nothing; a continued session rewinds with it)."""
+        return StepArgs(self.hidden[:, :0], [None] * len(self.prompts))
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A first request's ``resume``: continue the client's session kept under ``key``, with this step's
+    tokens starting at ``position``."""
+
+    key: str
+    position: int
+
+
+MAX_KEY_CHARACTERS = 256  # of a kept session's key
+
 
 def blocks_named(uid_chain: str, served: Mapping[str, B], description: str) -> list[B]:
     """The served blocks a request's uid chain names, in its order; ``description`` says what is served."""
@@ -172,6 +188,31 @@ def check_max_length(metadata: Mapping[str, Any], limit: int) -> int:
     if max_length > limit:
         raise WireError(f"max_length {max_length} exceeds this server's --inference_max_length {limit}")
     return max_length
+
+
+def check_keep(key: Any) -> str | None:
+    """A request's ``keep``: the key (its client's choice) to keep the session under when it ends."""
+    return None if key is None else _check_key(key, "keep")
+
+
+def _check_key(key: Any, field: str) -> str:
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARACTERS:
+        raise WireError(f"{field} must be a string of 1 to {MAX_KEY_CHARACTERS} characters, got {shown(key)}")
+    return key
+
+
+def check_resume(resume: Any, max_length: int) -> Resume | None:
+    """A first request's ``resume``: ``{"key": str, "position": int}``, the position within ``max_length``."""
+    if resume is None:
+        return None
+    if not isinstance(resume, dict) or set(resume) != {"key", "position"}:
+        raise WireError(f"resume must be {{'key': str, 'position': int}}, got {shown(resume)}")
+    position = resume["position"]
+    if type(position) is not int or not 0 <= position <= max_length:
+        raise WireError(
+            f"resume position must be an integer from 0 to max_length {max_length}, got {shown(position)}"
+        )
+    return Resume(_check_key(resume["key"], "resume key"), position)
 
 
 def check_step_position(position: int, start: int | None, new_tokens: int, max_length: int) -> int:

@@ -16,7 +16,8 @@ only:
    one with ``load_block`` (each its real layer index) → head, without a cache and through a
    prefill, single-token steps and a multi-token step, past every sliding window the config
    declares, with the blocks split over two independent sets of caches as two servers would hold
-   them; then a beam reorder (``hypo_ids``), a rewind (``start_from_position``) and a failover: the
+   them; then a beam reorder (``hypo_ids``), a rewind (``start_from_position``), a kept session
+   continued from as far back as every block says it can go (``resumable``), and a failover: the
    session's whole history replayed as one step onto fresh caches, then its next step;
 5. batching (fp32): sessions of different lengths and batch sizes, starting at different times, with
    their caches in pages of one shared pool per block, run their steps merged into one forward per
@@ -50,6 +51,7 @@ from petals.kv_cache import (
     HybridSpec,
     PageArena,
     SlidingWindowSpec,
+    furthest_common,
     manager_for,
     open_cache,
 )
@@ -269,6 +271,15 @@ def _check_exactness(
         for cache in server_caches:
             cache.rewind(cache.position - 1)
         compare("step replayed after rewind", expected, ours(next_ids))
+
+        # a kept session continued from further back: every block goes back as far towards three tokens
+        # back as all of them can (``resumable``: a window's margin, a state's snapshots, or 0), and the
+        # tokens from there, replayed as one step, end in the same logits
+        tokens = torch.cat([full_sequence[hypo_ids], next_ids], dim=1)
+        back = furthest_common(server_caches, tokens.shape[1] - 3)
+        for cache in server_caches:
+            cache.rewind(back)
+        compare(f"step resumed at position {back}", expected, ours(tokens[:, back:])[:, -1:])
 
         # failover: a fresh server is handed the session's whole history (its beams reordered) as one
         # step, as the client replays it, then computes the next step as the lost server did

@@ -27,7 +27,7 @@ from petals.dht import create_node, get_remote_module_infos
 from petals.membership import load_membership
 from petals.network.client import leave_swarm, stop_event_loop
 from petals.network.p2p import LOOPBACK_MADDRS, NetworkOptions
-from petals.wire import deserialize_tensors, pack_args_kwargs, serialize_tensor, write_metadata
+from petals.wire import deserialize_tensors, pack_args_kwargs, read_metadata, serialize_tensor, write_metadata
 
 T = TypeVar("T")
 HANDLER = "TransformerConnectionHandler"
@@ -127,7 +127,8 @@ class WireClient:
 
 
 class InferenceStream:
-    """One ``rpc_inference`` stream: ``step(hidden)`` sends a step and returns the server's output."""
+    """One ``rpc_inference`` stream: ``step(hidden)`` sends a step and returns the server's output (and
+    keeps the metadata the server answered with in ``reply``)."""
 
     def __init__(
         self, client: WireClient, peer: str, uids: Sequence[str], max_length: int, metadata: dict
@@ -138,6 +139,7 @@ class InferenceStream:
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = client.run(self._open(peer))
         self.steps = 0
+        self.reply: dict = {}  # the last response's metadata
 
     async def _open(self, peer: str):
         async def requests():
@@ -156,7 +158,9 @@ class InferenceStream:
             return await anext(self._responses)
 
         self.steps += 1
-        return deserialize_tensors(self.client.run(exchange()).tensors)[0]
+        response = self.client.run(exchange())
+        self.reply = read_metadata(response.metadata) if response.metadata else {}
+        return deserialize_tensors(response.tensors)[0]
 
     def post(self, request: runtime_pb2.ExpertRequest) -> None:
         """Send a raw request without waiting for a response (e.g. one the server should drop)."""
@@ -177,9 +181,12 @@ class InferenceStream:
         metadata.setdefault("step_id", str(uuid.uuid4()))
         return self.send(make_request(self.uids, [hidden, prompts, hypo_ids], metadata))
 
-    def close(self) -> None:
+    def close(self, **metadata: Any) -> None:
+        """End the session with an empty request (carrying ``metadata``: ``keep=key`` keeps it)."""
+        closing = runtime_pb2.ExpertRequest(metadata=write_metadata(metadata) if metadata else b"")
+
         async def finish() -> None:
-            await self._requests.put(runtime_pb2.ExpertRequest())  # an empty request ends the session
+            await self._requests.put(closing)  # an empty request ends the session
             await self._requests.put(None)
             with contextlib.suppress(ConnectionError):  # the server may close the stream first
                 async for _ in self._responses:
