@@ -8,8 +8,8 @@ from transformers import FalconH1Config, Gemma3TextConfig, Gemma4TextConfig, Qwe
 
 from conftest import TINY_CONFIGS
 from petals.block import allocate_cache, cache_spec, make_block
-from petals.convert import ShardedCache, make_tensor_parallel
-from petals.kv_cache import PagePool, open_cache
+from petals.convert import make_tensor_parallel
+from petals.kv_cache import PagePool, ShardCaches, open_cache
 from petals.loading import load_block
 from petals.plugins import get_plugin_manager
 
@@ -19,7 +19,7 @@ DEVICES = ["cpu", "cpu"]
 def shard_caches(config, batch_size, max_length, block_index=1):
     """One standalone cache per shard, each holding its share of the block's key/value heads."""
     spec = cache_spec(config, block_index).sharded(len(DEVICES))
-    return ShardedCache(open_cache(spec, batch_size, max_length, layer_index=block_index) for _ in DEVICES)
+    return ShardCaches(open_cache(spec, batch_size, max_length, layer_index=block_index) for _ in DEVICES)
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_CONFIGS))
@@ -30,7 +30,7 @@ def test_sharded_block_equals_whole_block(tiny_model_path, variant):
     cache, shards = allocate_cache(block.config, 2, 16, block_index=1), shard_caches(block.config, 2, 16)
     spec = cache_spec(block.config, 1)
     copies = len(DEVICES) if spec.num_kv_heads == 1 else 1  # one shared KV head is kept by every shard
-    assert sum(c.nbytes for c in shards) == copies * cache.nbytes
+    assert sum(c.nbytes for c in shards.parts) == copies * cache.nbytes
     torch.manual_seed(0)
     with torch.no_grad():
         for length in [5, 1, 1, 3]:  # prefill, then cached steps
@@ -81,7 +81,7 @@ def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_pa
     spec = cache_spec(block.config, 1).sharded(len(DEVICES))
     pools = [PagePool(spec, num_pages=16, page_tokens=4) for _ in DEVICES]
     sessions = [
-        ShardedCache(open_cache(spec, batch, 16, pool=pool, layer_index=1) for pool in pools)
+        ShardCaches(open_cache(spec, batch, 16, pool=pool, layer_index=1) for pool in pools)
         for batch in (1, 2)
     ]
     solo = [allocate_cache(block.config, batch, 16, block_index=1) for batch in (1, 2)]
@@ -94,7 +94,7 @@ def test_sharded_sessions_at_different_positions_share_one_forward(tiny_model_pa
             )
         for _ in range(3):
             steps = [torch.randn(cache.num_sequences, 1, block.config.hidden_size) for cache in solo]
-            merged = sharded(torch.cat(steps), ShardedCache.merged(sessions))
+            merged = sharded(torch.cat(steps), ShardCaches.merged(sessions))
             expected = torch.cat([block(step, cache.view()) for step, cache in zip(steps, solo, strict=True)])
             torch.testing.assert_close(merged, expected, atol=1e-5, rtol=0)
     for session in sessions:

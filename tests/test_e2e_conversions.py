@@ -192,7 +192,7 @@ def test_sharded_sessions_are_budgeted_by_the_bytes_their_caches_take(tiny_model
     )
     backend = BlockBackend("tp.0", 0, module, block.config, torch.float32, torch.device("cpu"))
     cache = backend.allocate_cache(batch_size=2, max_length=8)
-    assert len(cache) == 2 and cache.nbytes == 2 * 8 * backend.bytes_per_token
+    assert len(cache.parts) == 2 and cache.nbytes == 2 * 8 * backend.bytes_per_token
     copies = 2 if family == "falcon-multi-query" else 1  # one shared key/value head is kept by both shards
     assert backend.bytes_per_token == copies * cache_spec(block.config, 0).bytes_per_token(torch.float32)
 

@@ -9,12 +9,11 @@ from petals.convert.adapters import AdapterError, adapter_files, load_adapters, 
 from petals.convert.block import convert_block
 from petals.convert.memory import block_weight_bytes, estimate_block_weight_bytes
 from petals.convert.quantization import QuantType, quantize_block
-from petals.convert.tensor_parallel import ShardedCache, TensorParallelBlock, make_tensor_parallel
+from petals.convert.tensor_parallel import TensorParallelBlock, make_tensor_parallel
 
 __all__ = [
     "AdapterError",
     "QuantType",
-    "ShardedCache",
     "TensorParallelBlock",
     "adapter_files",
     "block_weight_bytes",

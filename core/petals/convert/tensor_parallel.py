@@ -3,7 +3,8 @@
 Each family's plugin gives the sharding plan (``tensor_parallel_config`` hook): attention split
 by whole key/value groups, MLPs (and experts) by columns then rows, row-parallel outputs summed
 across shards. ``TensorParallelBlock`` runs the shards side by side, each with its own
-session cache holding only its heads (pages of a pool per shard on a server), through ``tensor_parallel``'s thread-parallel apply (its
+session cache holding only its heads (``petals.kv_cache.ShardCaches``: pages of a pool per shard on a
+server), through ``tensor_parallel``'s thread-parallel apply (its
 built-in KV-cache handling shares one cache between shards, which is wrong, so it is not used).
 """
 
@@ -17,58 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from petals.block import cache_spec
-from petals.kv_cache import AttentionCache, PagedCache
 from petals.plugins import get_plugin_manager
-
-
-class ShardedCache(Sequence[AttentionCache]):
-    """One session's cache of a sharded block: a session cache per shard, used like one
-    (``petals.kv_cache.SessionCache``: grown, rewound, reordered, merged with other sessions' and
-    released together)."""
-
-    def __init__(self, shards: Sequence[AttentionCache | PagedCache]) -> None:
-        self.shards = list(shards)
-
-    @staticmethod
-    def merged(caches: Sequence[ShardedCache]) -> ShardedCache:
-        """Several sessions' caches of this block, shard by shard, for one forward."""
-        return ShardedCache(
-            type(caches[0].shards[rank]).merged([cache.shards[rank] for cache in caches])
-            for rank in range(len(caches[0]))
-        )
-
-    def view(self) -> ShardedCache:
-        return ShardedCache.merged([self])
-
-    def __getitem__(self, index):
-        return self.shards[index]
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
-    @property
-    def position(self) -> int:
-        return self.shards[0].position
-
-    @property
-    def nbytes(self) -> int:
-        return sum(shard.nbytes for shard in self.shards)
-
-    def reserve(self, new_tokens: int) -> None:
-        for shard in self.shards:
-            shard.reserve(new_tokens)
-
-    def rewind(self, position: int) -> None:
-        for shard in self.shards:
-            shard.rewind(position)
-
-    def reorder(self, hypo_ids: torch.Tensor) -> None:
-        for shard in self.shards:
-            shard.reorder(hypo_ids)
-
-    def release(self) -> None:
-        for shard in self.shards:
-            shard.release()
 
 
 class TensorParallelBlock(nn.Module):
@@ -107,9 +57,7 @@ class TensorParallelBlock(nn.Module):
     def shards(self) -> nn.ModuleList:
         return self.module.module_shards
 
-    def forward(
-        self, hidden_states: torch.Tensor, caches: Sequence[PagedCache] | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, caches: Sequence | None = None) -> torch.Tensor:
         from tensor_parallel.tensor_parallel import parallel_apply_simple
 
         if caches is not None and len(caches) != len(self.devices):
