@@ -1,12 +1,17 @@
-"""How long a client takes to read its local weights (embeddings, final norm, LM head) from a GGUF file.
+"""How long a user waits for a client of a GGUF model: its config, its local weights and its tokenizer.
 
-The client (``AutoDistributedModelForCausalLM.from_pretrained``) reads the tensors outside the blocks
-dense, through ``GGUFCheckpoint.read``: torch dequantization (``petals.formats.gguf_quants``). The
-reference is the same tensors read as petals read them before, through gguf's numpy dequantizer, the
-architecture's processor and a copy. Both start from the file already opened; opening it (gguf's
-reader parsing the metadata, a 262k-token vocabulary for Gemma 3, and transformers' config from it)
-is timed apart, once, since the client pays it whichever dequantizer reads the weights. Best of
-``--repeats`` runs each, taking turns.
+Each run is a fresh process that loads what ``AutoDistributedModelForCausalLM.from_pretrained`` and the
+commands load from a demo model's prepared folder (``petals.demo_model``: the GGUF file and the tokenizer
+saved from it), timed piece by piece: the config (``AutoDistributedConfig``, from the file's metadata), the
+weights (the client model built as ``from_pretrained`` builds it, with the embeddings, norms and head
+read from the file; given a stand-in for the network, since it joins no swarm here) and the tokenizer
+(``load_tokenizer``, as ``petals generate``, ``chat`` and ``demo`` load it). Imports are timed apart:
+they are the same for every format.
+
+"old" is the same process with what petals did before: gguf's own reader (every element of a metadata
+array read on its own through the memory map), transformers reading each metadata value through its own
+``_gguf_parse_value``, and the tokenizer saved without its added tokens in ``tokenizer_config.json``.
+Best of ``--repeats`` runs of each, taking turns.
 
     python benchmarks/gguf_client_load.py [gemma3|smollm2 ...] [--repeats N] [--cache_dir DIR]
 """
@@ -14,62 +19,88 @@ is timed apart, once, since the client pays it whichever dequantizer reads the w
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-
-
-def client_keys(path) -> list[str]:
-    """The tensors a client reads: every one outside the transformer blocks."""
-    from petals.auto import AutoDistributedConfig
-    from petals.loading import open_checkpoint
-
-    prefix = AutoDistributedConfig.from_pretrained(path).block_prefix + "."
-    return [key for key in open_checkpoint(path).weight_map if not key.startswith(prefix)]
+PIECES = ("config", "weights", "tokenizer")
+CHILD = "--child"
 
 
-def numpy_reference(checkpoint, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The client's tensors as petals read them with gguf's numpy dequantizer."""
-    from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    from petals.formats.gguf import reader
-
-    processor = TENSOR_PROCESSORS.get(checkpoint.architecture, TensorProcessor)(config=checkpoint.config_dict)
-    to_hf = {name: hf_name for hf_name, name in checkpoint.weight_map.items()}
-    by_name = {tensor.name: tensor for tensor in reader(checkpoint.path).tensors}
-    tensors = {}
-    for key in keys:
-        stored = by_name[checkpoint.weight_map[key]]
-        values = dequantize(np.asarray(stored.data), stored.tensor_type)
-        result = processor.process(
-            weights=values, name=stored.name, tensor_key_mapping=to_hf, parsed_parameters={}
-        )
-        tensors[key] = torch.from_numpy(np.array(result.weights))
-    return tensors
-
-
-def measure(path, repeats: int) -> dict[str, float]:
-    from petals.loading import open_checkpoint
-
+def load_client(folder: str, old: bool) -> dict[str, float]:
+    """Seconds per piece of a client's load of ``folder`` in this (fresh) process."""
     started = time.perf_counter()
-    checkpoint = open_checkpoint(path)
-    keys = client_keys(path)
-    opened = time.perf_counter() - started
-    seconds: dict[str, list[float]] = {"torch": [], "numpy": []}
-    for _ in range(repeats):
-        for name, read in (
-            ("torch", checkpoint.read),
-            ("numpy", lambda keys: numpy_reference(checkpoint, keys)),
-        ):
-            started = time.perf_counter()
-            tensors = read(keys)
-            seconds[name].append(time.perf_counter() - started)
-            del tensors
-    torch_read, numpy_read = checkpoint.read(keys), numpy_reference(checkpoint, keys)
-    assert all(torch.equal(torch_read[key], numpy_read[key].reshape(torch_read[key].shape)) for key in keys)
-    return {"open": opened, "torch": min(seconds["torch"]), "numpy": min(seconds["numpy"]), "keys": len(keys)}
+    import torch  # noqa: F401
+
+    from petals.auto import AutoDistributedConfig
+    from petals.cli.model_files import load_tokenizer
+    from petals.client.model import AutoDistributedModelForCausalLM, distributed_class
+
+    if old:
+        use_gguf_as_before()
+    seconds = {"imports": time.perf_counter() - started}
+    started = time.perf_counter()
+    config = AutoDistributedConfig.from_pretrained(folder)
+    seconds["config"] = time.perf_counter() - started
+    started = time.perf_counter()
+    model_class = distributed_class(config, AutoDistributedModelForCausalLM)
+    model = model_class.from_pretrained(folder, config=config, network=object())  # no swarm to join
+    seconds["weights"] = time.perf_counter() - started
+    assert not any(parameter.is_meta for parameter in model.parameters())
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(folder)
+    seconds["tokenizer"] = time.perf_counter() - started
+    assert len(tokenizer) >= config.vocab_size * 0.99
+    return seconds
+
+
+def use_gguf_as_before() -> None:
+    """gguf's own reader, and transformers' own reading of each metadata value."""
+    from gguf.gguf_reader import GGUFReader
+
+    import petals.patches
+
+    petals.patches.gguf_reader = GGUFReader
+    petals.patches._read_gguf_values_sooner = lambda: lambda: None
+
+
+def folder_as_before(folder: Path, into: Path) -> Path:
+    """``folder`` with its tokenizer saved as before: no added tokens in ``tokenizer_config.json``."""
+    for path in folder.iterdir():
+        if path.is_file():
+            (into / path.name).symlink_to(path.resolve())
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("added_tokens_decoder", None)
+    (into / "tokenizer_config.json").unlink()
+    (into / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return into
+
+
+def run_fresh(folder: Path, old: bool) -> dict[str, float]:
+    code = [sys.executable, __file__, CHILD, str(folder)] + (["--old"] if old else [])
+    done = subprocess.run(
+        code, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(folder: Path, repeats: int) -> dict[str, dict[str, float]]:
+    """Best seconds per piece, and of the whole (the best run's), old and new."""
+    runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        before = folder_as_before(folder, Path(scratch))
+        for _ in range(repeats):
+            runs["old"].append(run_fresh(before, old=True))
+            runs["new"].append(run_fresh(folder, old=False))
+    best = {}
+    for name, results in runs.items():
+        best[name] = {piece: min(result[piece] for result in results) for piece in ("imports", *PIECES)}
+        best[name]["total"] = min(sum(result[piece] for piece in PIECES) for result in results)
+    return best
 
 
 def main() -> None:
@@ -85,14 +116,19 @@ def main() -> None:
         if demo_packages_missing(demo):
             print(f"{demo.name}: skipped ({demo_packages_missing(demo)})")
             continue
-        path = prepare_demo_model(args.cache_dir, demo) / demo.gguf_file
-        result = measure(path, args.repeats)
-        print(
-            f"{demo.name}: client embeddings+head load: {result['torch']:.2f} s "
-            f"(numpy reference: {result['numpy']:.2f} s), {result['keys']} tensors, equal; "
-            f"opening the file before (metadata, config, name map): {result['open']:.1f} s"
-        )
+        best = measure(prepare_demo_model(args.cache_dir, demo), args.repeats)
+        print(f"{demo.name}: client load, best of {args.repeats} fresh processes each (s)")
+        print(f"  {'':8} {'config':>8} {'weights':>8} {'tokenizer':>9} {'total':>7}   (imports)")
+        for name in ("old", "new"):
+            row = best[name]
+            print(
+                f"  {name:8} {row['config']:8.2f} {row['weights']:8.2f} {row['tokenizer']:9.2f} "
+                f"{row['total']:7.2f}   ({row['imports']:.2f})"
+            )
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [CHILD]:
+        print(json.dumps(load_client(sys.argv[2], old="--old" in sys.argv)))
+    else:
+        main()

@@ -5,17 +5,28 @@ The fixtures write tiny random Llamas in llama.cpp's real layout with ``gguf.GGU
 permuted as llama.cpp's converter permutes them, norms in F32. One file stores attention weights and
 the head in Q8_0, the MLP and embeddings in F16; another is laid out as a Q4_K_M build (Q4_K matrices,
 Q6_K for the value and down projections and the head, Q8_0 embeddings; written by ``gguf_kquants``,
-since gguf cannot quantize K-quants). The reference is transformers loading the same file, dequantized.
+since gguf cannot quantize K-quants). A third is a tiny Qwen3-MoE, its experts stacked in 3-D tensors
+(``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) as llama.cpp stores them. The reference is
+transformers loading the same file, dequantized.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import petals
 from conftest import LOOPBACK_CLIENT, petals_health
@@ -23,7 +34,7 @@ from petals.auto import AutoDistributedConfig
 from petals.block import make_block
 from petals.convert import block_weight_bytes
 from petals.formats import stored_as, weights_note
-from petals.formats.gguf import GGUFCheckpoint, GgufInt4Weight, GgufWeight, gguf_file, reader
+from petals.formats.gguf import GGUFCheckpoint, GgufInt4Weight, GgufWeight, gguf_file, reader, release_readers
 from petals.formats.packed import packed_weights
 from petals.loading import CheckpointError, load_block, open_checkpoint
 from petals.local_swarm import running_swarm
@@ -87,6 +98,18 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def add_tensor(writer, name: str, weight: np.ndarray, stored_as) -> None:
+    """``weight`` under ``name`` as ``stored_as`` (None: F32) stores it."""
+    if stored_as is None:
+        writer.add_tensor(name, weight.astype(np.float32))
+    elif stored_as == F16:
+        writer.add_tensor(name, weight.astype(np.float16))
+    elif stored_as in gguf_kquants.QUANTIZERS:
+        writer.add_tensor(name, gguf_kquants.quantize(weight, stored_as), raw_dtype=stored_as)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(weight, stored_as), raw_dtype=stored_as)
+
+
 def write_tiny_llama_gguf(
     path: Path,
     seed: int = 0,
@@ -113,17 +136,7 @@ def write_tiny_llama_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
 
-    def add(name: str, weight: np.ndarray, stored_as) -> None:
-        if stored_as is None:
-            writer.add_tensor(name, weight.astype(np.float32))
-        elif stored_as == F16:
-            writer.add_tensor(name, weight.astype(np.float16))
-        elif stored_as in gguf_kquants.QUANTIZERS:
-            writer.add_tensor(name, gguf_kquants.quantize(weight, stored_as), raw_dtype=stored_as)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(weight, stored_as), raw_dtype=stored_as)
-
-    add("token_embd.weight", state["model.embed_tokens.weight"], embeddings)
+    add_tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"], embeddings)
     for index in range(config.num_hidden_layers):
         for short, (hf_name, _) in LAYER_TENSORS.items():
             weight = state[f"model.layers.{index}.{hf_name}.weight"]
@@ -131,9 +144,82 @@ def write_tiny_llama_gguf(
                 weight = permute_rows(weight, config.num_attention_heads)
             elif short == "attn_k":
                 weight = permute_rows(weight, config.num_key_value_heads)
-            add(f"blk.{index}.{short}.weight", weight, types[short])
-    add("output_norm.weight", state["model.norm.weight"], None)
-    add("output.weight", state["lm_head.weight"], head)
+            add_tensor(writer, f"blk.{index}.{short}.weight", weight, types[short])
+    add_tensor(writer, "output_norm.weight", state["model.norm.weight"], None)
+    add_tensor(writer, "output.weight", state["lm_head.weight"], head)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+MOE_CONFIG = Qwen3MoeConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=768,  # transformers reads no expert width from a GGUF file: its default
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,  # what transformers sets for a qwen3moe GGUF file, as llama.cpp computes
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+MOE_LAYER_TENSORS = {  # GGUF name -> (Hugging Face name, rows taken from it, stored as)
+    "attn_q": ("self_attn.q_proj.weight", None, Q8_0),
+    "attn_k": ("self_attn.k_proj.weight", None, Q8_0),
+    "attn_v": ("self_attn.v_proj.weight", None, Q8_0),
+    "attn_output": ("self_attn.o_proj.weight", None, Q8_0),
+    "attn_q_norm": ("self_attn.q_norm.weight", None, None),
+    "attn_k_norm": ("self_attn.k_norm.weight", None, None),
+    "ffn_gate_inp": ("mlp.gate.weight", None, None),
+    "ffn_gate_exps": ("mlp.experts.gate_up_proj", "first half", Q4_1),
+    "ffn_up_exps": ("mlp.experts.gate_up_proj", "second half", Q4_1),
+    "ffn_down_exps": ("mlp.experts.down_proj", None, Q8_0),
+    "attn_norm": ("input_layernorm.weight", None, None),
+    "ffn_norm": ("post_attention_layernorm.weight", None, None),
+}
+
+
+def write_tiny_qwen3_moe_gguf(path: Path, seed: int = 0, config: Qwen3MoeConfig = MOE_CONFIG) -> Path:
+    """A random Qwen3-MoE as llama.cpp writes one: each layer's experts stacked in three 3-D tensors
+    (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: transformers' ``gate_up_proj`` is the first
+    two joined along the rows, gate first), the router as ``ffn_gate_inp``, ``qwen3moe.*`` keys."""
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name("tiny-qwen3-moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    add_tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"], F16)
+    half = config.moe_intermediate_size
+    for index in range(config.num_hidden_layers):
+        for short, (hf_name, rows, kind) in MOE_LAYER_TENSORS.items():
+            weight = state[f"model.layers.{index}.{hf_name}"]
+            if rows is not None:
+                weight = weight[:, :half] if rows == "first half" else weight[:, half:]
+            add_tensor(writer, f"blk.{index}.{short}.weight", np.ascontiguousarray(weight), kind)
+    add_tensor(writer, "output_norm.weight", state["model.norm.weight"], None)
+    add_tensor(writer, "output.weight", state["lm_head.weight"], Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -249,6 +335,25 @@ def test_greedy_tokens_through_two_servers_equal_transformers_loading_the_gguf(t
     assert diff < 1e-4
 
 
+def test_loaded_blocks_hold_nothing_of_the_file_once_its_reader_is_released(k_quant_gguf):
+    """A server releases the parsed file once its blocks are loaded (``release_readers``): its blocks,
+    packed (GGUF blocks, int4 repacked) or dequantized, are copies, so the file's memory map goes with
+    the reader, and its parsed metadata; a later read parses the file anew."""
+    parsed = reader(k_quant_gguf)
+    mapped = weakref.ref(parsed.data)
+    blocks = [
+        load_block(k_quant_gguf, 1, dtype, weights=weights)
+        for dtype in (torch.float32, torch.bfloat16)
+        for weights in ("packed", "dequantized")
+    ]
+    release_readers()
+    del parsed
+    gc.collect()
+    assert mapped() is None
+    assert {type(weight) for weight in packed_weights(blocks[2]).values()} == {GgufInt4Weight, GgufWeight}
+    assert reader(k_quant_gguf).data is not None
+
+
 # --- a Q4_K_M build: K-quants, and torch's int4 kernel in bfloat16 ------------------------------------
 
 
@@ -326,3 +431,69 @@ def test_greedy_tokens_of_a_k_quant_file_through_two_servers_equal_transformers(
     diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
     scale = max(logits.abs().max().item() for logits in expected.logits)
     assert diff < (1e-4 if dtype == "float32" else 0.05 * scale)
+
+
+# --- an MoE: experts stacked in 3-D tensors, gate and up joined into one --------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory) -> Path:
+    return write_tiny_qwen3_moe_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen3-moe.gguf")
+
+
+def test_an_moe_block_has_all_of_its_experts_gate_and_up_both(moe_gguf):
+    """``gate_up_proj`` is made of two GGUF tensors: a block reads both, gate rows first, as transformers
+    does (a checkpoint that took one of them, or none, would serve half an MLP or refuse to load)."""
+    checkpoint = open_checkpoint(moe_gguf)
+    assert checkpoint.sources["model.layers.1.mlp.experts.gate_up_proj"] == (
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+    )
+    assert checkpoint.sources["model.layers.1.mlp.experts.down_proj"] == ("blk.1.ffn_down_exps.weight",)
+    reference = transformers_model(moe_gguf).model.layers[1].mlp.experts
+    block = load_block(moe_gguf, 1, torch.float32, weights="dequantized")
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(block.mlp.experts, name), getattr(reference, name)), name
+
+
+def test_moe_experts_are_served_as_their_gguf_rows_and_compute_what_transformers_computes(moe_gguf):
+    """Stacked experts and gate joined to up stay GGUF blocks (each expert's rows are contiguous: one
+    routed expert dequantizes alone); the block packed computes within 1e-6 of the block dequantized at
+    load, which computes what transformers' own load of the file computes."""
+    config = AutoDistributedConfig.from_pretrained(moe_gguf)
+    reference = transformers_model(moe_gguf)
+    hidden = torch.randn(2, 5, MOE_CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
+    for index in range(MOE_CONFIG.num_hidden_layers):
+        dense = load_block(moe_gguf, index, torch.float32, config=config, weights="dequantized")
+        packed = load_block(moe_gguf, index, torch.float32, config=config)
+        expected = make_block(config, index).eval()
+        expected.load_state_dict(reference.model.layers[index].state_dict(), strict=True)
+        weights = packed_weights(packed)
+        assert {type(weight) for weight in weights.values()} == {GgufWeight}
+        assert tuple(weights["mlp.experts.gate_up_proj"].shape) == (
+            4,
+            2 * MOE_CONFIG.moe_intermediate_size,
+            64,
+        )
+        assert block_weight_bytes(packed) == stored_block_bytes(moe_gguf, index)  # norms, router: F32
+        assert (dense(hidden)[0] - expected(hidden)[0]).abs().max().item() <= 1e-5
+        assert (packed(hidden)[0] - dense(hidden)[0]).abs().max().item() <= 1e-6
+
+
+@pytest.mark.slow
+def test_greedy_tokens_of_an_moe_file_through_two_servers_equal_transformers(moe_gguf):
+    ids = torch.randint(3, MOE_CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = transformers_model(moe_gguf).generate(ids, **kwargs)
+
+    with running_swarm(moe_gguf, "0:2", "2:4") as (dht, servers):
+        for server in servers:
+            assert "gguf Q8_0/Q4_1/F16 checkpoint served packed on cpu" in server.log, server.log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            moe_gguf, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 1e-4

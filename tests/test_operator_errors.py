@@ -1,10 +1,10 @@
 """An operator's bad input ends in one line that names the file (tensor, block or key) and says what to do.
 
-Each case damages a copy of the tiny Llama (or a flag, a config file, an identity file, a port) the
-way an operator's disk, download or typo would, runs the real ``petals serve`` in its own process, and
-checks: a non-zero exit, the last line ``Error: ...`` with what the case names, no traceback, and the
-model folder unchanged. What transformers accepts without complaint (per-layer rotary frequencies of
-older checkpoints) is accepted too.
+Each case damages a copy of the tiny Llama (its safetensors, or a GGUF file of it; or a flag, a config
+file, an identity file, a port) the way an operator's disk, download or typo would, runs the real
+``petals serve`` in its own process, and checks: a non-zero exit, the last line ``Error: ...`` with what
+the case names, no traceback, and the model folder unchanged. What transformers accepts without
+complaint (per-layer rotary frequencies of older checkpoints) is accepted too.
 """
 
 from __future__ import annotations
@@ -151,6 +151,51 @@ def test_a_damaged_checkpoint_ends_in_one_line_naming_the_file(damaged_copy, tmp
         *serve_args(str(folder), "--num_blocks", "2"), env={"PETALS_CACHE": str(tmp_path / "cache")}
     )
     assert_one_error_line(result, str(folder), message)
+    assert folder_state(folder) == before
+
+
+def gguf_cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def gguf_garbage_tensor_count(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:16] = struct.pack("<Q", 2**40)  # the header's tensor count, after the magic and the version
+    path.write_bytes(bytes(data))
+
+
+def gguf_garbage_metadata(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[24:4096] = bytes([0xFF]) * (4096 - 24)  # the metadata's keys and values, from the first one
+    path.write_bytes(bytes(data))
+
+
+# (case, how the file is damaged, what the last line says beyond the file and "download it again")
+DAMAGED_GGUF_FILES = [
+    ("GGUF file cut in half", gguf_cut_in_half, "bytes long, and its tensor data runs to byte"),
+    ("GGUF tensor count of 2**40", gguf_garbage_tensor_count, "bytes long, and its metadata runs to byte"),
+    ("GGUF metadata overwritten", gguf_garbage_metadata, "bytes long, and its metadata runs to byte"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "damage", "message"), DAMAGED_GGUF_FILES, ids=[c[0] for c in DAMAGED_GGUF_FILES]
+)
+def test_a_damaged_gguf_file_ends_in_one_line_naming_it(tmp_path, case, damage, message):
+    """Where petals parses the file first (its config), not in a reshape of tensor data that names
+    neither the file nor the cause, nor in transformers' "not a valid JSON file"."""
+    from test_gguf import write_tiny_llama_gguf
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    damage(write_tiny_llama_gguf(folder / "tiny-llama.Q8_0.gguf"))
+    before = folder_state(folder)
+    result = run_petals(*serve_args(str(folder / "tiny-llama.Q8_0.gguf"), "--num_blocks", "2"))
+    line = assert_one_error_line(
+        result, f"{folder / 'tiny-llama.Q8_0.gguf'} is not a readable GGUF file (it is ", message
+    )
+    assert "download it again" in line
     assert folder_state(folder) == before
 
 

@@ -14,7 +14,7 @@ import logging
 import subprocess
 import sys
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +45,8 @@ ALL_PATCHES = (
     *(import_patch.patch for import_patch in patches.IMPORT_PATCHES),
     patches.TORCH_DISTRIBUTED_UNUSED,
     patches.GGUF_PARSED_ONCE,
+    patches.GGUF_METADATA_IN_BULK,
+    patches.GGUF_VALUES_SOONER,
 )
 
 
@@ -134,6 +136,18 @@ def test_a_shape_that_cannot_be_read_is_a_shape_that_differs(caplog):
             "gguf:get_tensor_name_map",
             lambda arch: None,
             "get_tensor_name_map is '(arch)', not '(arch, n_blocks)'",
+        ),
+        (
+            patches.GGUF_METADATA_IN_BULK,
+            "gguf.gguf_reader:GGUFReader._get_field_parts",
+            lambda self, offset: None,
+            "GGUFReader._get_field_parts is '(self, offset)', not '(self, orig_offs, raw_type)'",
+        ),
+        (
+            patches.GGUF_VALUES_SOONER,
+            "transformers.integrations.ggml:_gguf_parse_value",
+            lambda value: None,
+            "ggml._gguf_parse_value is '(value)', not '(_value, data_type)'",
         ),
     ],
 )
@@ -822,6 +836,130 @@ def test_without_gguf_parsed_once_transformers_parses_a_file_per_use(tmp_path, m
         assert len(parsed) == (2 if within is contextlib.nullcontext else 1)
 
 
+@pytest.fixture(scope="module")
+def vocabulary_gguf(tmp_path_factory) -> Path:
+    """A GGUF file with a tokenizer's metadata (3000 tokens, their scores and types, merges), arrays of
+    other kinds (unsigned bytes, 64-bit floats) and a few tensors."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("gguf") / "vocabulary.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tokenizer_model("llama")
+    tokens = [f"tok{index}" if index % 7 else f"\u2581\u00e9t\u00e9 {index}" for index in range(3000)]
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(index) / 3 for index in range(3000)])
+    writer.add_token_types([index % 6 + 1 for index in range(3000)])
+    writer.add_token_merges([f"t o{index}" for index in range(500)])
+    writer.add_key_value("test.bytes", [1, 2, 255], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8)
+    writer.add_key_value("test.doubles", [0.5, -2.25], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT64)
+    writer.add_bool("test.flag", True)
+    writer.add_tensor("token_embd.weight", np.arange(3000 * 8, dtype=np.float32).reshape(3000, 8))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def calls_of(function: Callable, run: Callable[[], object]) -> int:
+    """How many times ``run()`` calls ``function`` (recursive calls included), counted by the profiler:
+    nothing about ``function`` changes."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    code = function.__code__
+    where = (code.co_filename, code.co_firstlineno, code.co_name)
+    return sum(stat[1] for key, stat in pstats.Stats(profile).stats.items() if key == where)
+
+
+def test_petals_gguf_reader_gives_what_gguf_gives_reading_each_array_at_once(vocabulary_gguf):
+    """What ``GGUF_METADATA_IN_BULK`` prevents: gguf reading a vocabulary one element at a time, each a
+    slice of the file's memory map (a 262k-token vocabulary: 24 s on two cores). The reader petals
+    parses files with gives the same fields, parts (values, dtypes, shapes), indices, types and tensors."""
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader
+
+    plain_reads = calls_of(GGUFReader._get, lambda: GGUFReader(vocabulary_gguf))
+    bulk_reads = calls_of(GGUFReader._get, lambda: patches.gguf_reader(vocabulary_gguf))
+    assert plain_reads > 4 * 3000 and bulk_reads < 100
+    plain, bulk = GGUFReader(vocabulary_gguf), patches.gguf_reader(vocabulary_gguf)
+    assert type(bulk) is not GGUFReader and list(bulk.fields) == list(plain.fields)
+    for name, field in plain.fields.items():
+        ours = bulk.fields[name]
+        assert (ours.offset, ours.name, ours.data, ours.types) == (
+            field.offset,
+            field.name,
+            field.data,
+            field.types,
+        )
+        assert len(ours.parts) == len(field.parts), name
+        for mine, theirs in zip(ours.parts, field.parts, strict=True):
+            assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape) and np.array_equal(
+                mine, theirs
+            ), name
+        assert ours.contents() == field.contents(), name
+    assert bulk.fields["tokenizer.ggml.tokens"].contents()[7] == "\u2581\u00e9t\u00e9 7"
+    for mine, theirs in zip(bulk.tensors, plain.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.data_offset, mine.n_bytes) == (
+            theirs.name,
+            theirs.tensor_type,
+            theirs.data_offset,
+            theirs.n_bytes,
+        )
+        assert isinstance(mine.data, np.memmap) and np.array_equal(mine.data, theirs.data)
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda data: data[: len(data) - 100], "and its tensor data runs to byte"),
+        (lambda data: data[:2000], "and its metadata runs to byte"),
+    ],
+    ids=["tensor data cut off", "metadata cut off"],
+)
+def test_a_gguf_file_shorter_than_its_contents_says_so(vocabulary_gguf, tmp_path, damage, says):
+    """gguf slices past the end of its memory map without complaint and fails later (a reshape); the
+    reader petals parses files with refuses the read, with the file's length."""
+    from gguf.gguf_reader import GGUFReader
+
+    cut = tmp_path / "cut.gguf"
+    data = vocabulary_gguf.read_bytes()
+    cut.write_bytes(damage(data))
+    with pytest.raises((ValueError, IndexError)) as plain:  # a reshape, or an index into an empty slice
+        GGUFReader(cut)
+    assert "bytes long" not in str(plain.value)
+    with pytest.raises(ValueError, match=f"it is {len(damage(data))} bytes long, {says}"):
+        patches.gguf_reader(cut)
+
+
+def test_without_gguf_values_sooner_transformers_reads_each_element_in_two_calls(vocabulary_gguf):
+    """What ``GGUF_VALUES_SOONER`` prevents: transformers reading each element of every metadata array
+    in two calls of its ``_gguf_parse_value``, a string through a list of numpy scalars (Gemma 3's
+    vocabulary, scores and token types: 1.2 s on two cores). Within ``gguf_parsed_once`` it reads the
+    same values, and calls that function for none of the arrays' elements."""
+    from transformers.integrations.ggml import _gguf_parse_value
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    def load() -> dict:
+        return load_gguf_checkpoint(str(vocabulary_gguf))
+
+    def load_within() -> dict:
+        with patches.gguf_parsed_once(patches.gguf_reader):
+            return load()
+
+    assert calls_of(_gguf_parse_value, load) > 2 * (3 * 3000 + 500)
+    assert calls_of(_gguf_parse_value, load_within) < 100
+    assert load_within() == load()
+    assert load()["tokenizer"]["tokens"][7] == "\u2581\u00e9t\u00e9 7"
+
+
 # ---- each patch shows what it prevents ------------------------------------------------------------
 
 # the test that reproduces, without the patch, the failure it prevents: when it stops failing that way on
@@ -844,6 +982,10 @@ WHAT_EACH_PATCH_PREVENTS = {
     patches.TORCH_DISTRIBUTED_UNUSED.target: "test_patches.py::"
     "test_transformers_sees_torch_distributed_as_before_where_its_loading_code_came_first",
     patches.GGUF_PARSED_ONCE.target: "test_patches.py::test_without_gguf_parsed_once_transformers_parses_a_file_per_use",
+    patches.GGUF_METADATA_IN_BULK.target: "test_patches.py::"
+    "test_petals_gguf_reader_gives_what_gguf_gives_reading_each_array_at_once",
+    patches.GGUF_VALUES_SOONER.target: "test_patches.py::"
+    "test_without_gguf_values_sooner_transformers_reads_each_element_in_two_calls",
 }
 
 

@@ -34,6 +34,7 @@ from petals.dht import (
     get_remote_module_infos,
 )
 from petals.formats import stored_as, weights_note
+from petals.formats.gguf import release_readers
 from petals.loading import load_block, open_checkpoint
 from petals.membership import load_membership
 from petals.network.p2p import DaemonGone, daemon_alive, leave_network, while_daemon_lives
@@ -356,6 +357,7 @@ class ServingSpan:
         with _cleared_on_failure(progress):
             backends = self._load_each(checkpoint, progress, hub_kwargs)
         logger.info("Loaded %d blocks in %.2f s", len(self.blocks), time.perf_counter() - started)
+        release_readers()  # a GGUF file's parsed metadata and mapped pages: the blocks hold copies
         return backends
 
     def _load_each(self, checkpoint, progress: tqdm, hub_kwargs: dict) -> list[BlockBackend]:
