@@ -1,5 +1,6 @@
-"""(q) One block held packed (quantized checkpoint bytes, dequantized per forward) against the same block
-dequantized at load, and against transformers' own layer: decode and prefill speed, bfloat16.
+"""(q) One block held packed (quantized checkpoint bytes: dequantized per forward, or computed by torch's
+CPU int4 kernel where it takes them) against the same block dequantized at load, and against
+transformers' own layer: decode and prefill speed, bfloat16.
 
     python -m benchmarks.packed_speed [--quick]
 
@@ -35,8 +36,11 @@ fastest is kept): the time spent dequantizing (``expert``, ``dequantize``) and h
 The rest of a packed form's excess over its dequantized twin is what dequantizing leaves behind
 (allocations, the copies joining experts' parts).
 
-Goals (issue 55): 4-bit integer formats (GPTQ, GGUF Q4_K) no slower than the dense block at decode;
-MoE blocks in FP8 and MXFP4 within 1.5x at decode (only routed experts dequantized); dense FP8 reported.
+Goals (issue 55): 4-bit integer formats (GPTQ, GGUF Q4_K) no slower than the dense block at decode
+(their linears run the int4 kernel in bfloat16, up to ``int4pack.MAX_ROWS`` rows: prefill's 128 too;
+an MoE's routed experts are dequantized, as ``weight[e]`` gives transformers' experts loop a dense
+tensor); MoE blocks in FP8 and MXFP4 within 1.5x at decode (only routed experts dequantized); dense
+FP8 reported.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ here independently of ``petals.checkpoint_formats`` (it packs where petals unpac
 
 One shard per layer (``save_by_layer``). The reference is the same model with those weights
 dequantized by the specification's formula, saved in float32 and loaded by plain transformers.
+
+4-bit GPTQ and AWQ weights are held for torch's CPU int4 kernel (``GroupedInt4Weight``): they still
+dequantize bit for bit to the specification's weights, and in bfloat16 the kernel computes with them
+within bfloat16's rounding.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_checkpoint_formats import MAX_RELATIVE_ERROR, QUANTIZED_LINEAR, save_by_layer
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, Qwen3MoeConfig
@@ -30,10 +35,11 @@ import petals
 from conftest import LOOPBACK_CLIENT, petals_health, save_random_model, tiny_config
 from petals.auto import AutoDistributedConfig
 from petals.checkpoint import Checkpoint
-from petals.convert import convert_block
-from petals.formats import CheckpointFormatError, PackedWeight, weights_note
-from petals.formats.int4 import AWQ, GPTQ
+from petals.convert import block_weight_bytes, convert_block
+from petals.formats import CheckpointFormatError, PackedWeight, int4pack, weights_note
+from petals.formats.int4 import AWQ, GPTQ, GptqWeight, GroupedInt4Weight, GroupedIntWeight
 from petals.formats.mxfp4 import MXFP4
+from petals.formats.packed import set_dtype
 from petals.loading import load_block, open_checkpoint
 from petals.testing.swarm import running_swarm
 
@@ -458,3 +464,169 @@ def test_a_server_quantizes_a_gptq_checkpoint_again_with_quant_type(checkpoint):
     assert "int8 (gptq int4 dequantized)" in health.stdout, health.stdout + health.stderr
     expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)(ids).logits
     assert (logits - expected).norm() / expected.norm() < MAX_RELATIVE_ERROR["int8"]
+
+
+# --- 4-bit weights held for torch's CPU int4 kernel ------------------------------------------------
+
+INT_LAYOUTS = sorted(layout for layout in LAYOUTS if not layout.startswith("mxfp4"))
+KERNEL_CALLS = {  # per block 2 in bfloat16: every 4-bit linear (the MoE's routed experts dequantize)
+    "gptq-4bit-sym": 7,
+    "gptq-4bit-act-order-asym": 7,
+    "awq-gemm": 7,
+    "gptq-4bit-qwen3-moe": 4,
+    "gptq-8bit": 0,
+}
+
+
+def one_linear(method: str, rows: int, cols: int, desc_act: bool = False):
+    """One ``[rows, cols]`` linear in groups of 32 as ``method`` stores it, with zero points of its own
+    per group → (its stored tensors, its quantization_config, the specification's float32 weight)."""
+    generator = torch.Generator().manual_seed(rows + cols)
+    g_idx = torch.arange(cols) // 32
+    if desc_act:
+        g_idx = g_idx[torch.randperm(cols, generator=generator)]
+    weight = torch.randn(rows, cols, generator=generator) * 0.02
+    q, zeros, scales = quantize_int(weight, 4, g_idx, cols // 32, sym=False)
+    config = {"quant_method": method, "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"}
+    if method == "gptq":
+        stored = {"o.qweight": pack(q, 4, dim=0), "o.qzeros": pack(zeros, 4, dim=1), "o.g_idx": g_idx.int()}
+    else:
+        stored = {
+            "o.qweight": pack(q, 4, dim=1, order=AWQ_ORDER),
+            "o.qzeros": pack(zeros, 4, dim=1, order=AWQ_ORDER),
+        }
+    return {**stored, "o.scales": scales}, config, dequantize_by_groups(q, zeros, scales, g_idx)
+
+
+def held(method: str, rows: int, cols: int, desc_act: bool = False):
+    """``one_linear`` as the format holds it, served in bfloat16 → (the weight, the specification's)."""
+    tensors, config, expected = one_linear(method, rows, cols, desc_act)
+    weight = (GPTQ if method == "gptq" else AWQ).pack(tensors, config, torch.bfloat16)["o.weight"]
+    return weight, expected
+
+
+@pytest.mark.parametrize(
+    ("method", "rows", "desc_act"),
+    [("gptq", 80, False), ("gptq", 80, True), ("gptq", 192, True), ("awq", 64, False), ("awq", 144, False)],
+)
+def test_a_4_bit_weight_held_for_the_kernel_dequantizes_bit_for_bit_to_the_specifications(
+    method, rows, desc_act
+):
+    weight, expected = held(method, rows, 128, desc_act)
+    assert isinstance(weight, GroupedInt4Weight)
+    assert (weight.order is not None) == desc_act  # act order: the inputs sorted by group
+    assert torch.equal(weight.dequantize(), expected.to(torch.bfloat16))
+    set_dtype(weight, torch.float32)
+    assert torch.equal(weight.dequantize(), expected)
+
+
+@pytest.mark.parametrize(("method", "desc_act"), [("gptq", False), ("gptq", True), ("awq", False)])
+def test_bfloat16_inputs_go_through_the_kernel_within_bfloat16_error_of_the_dense_weight(method, desc_act):
+    weight, _ = held(method, 64, 256, desc_act)
+    dense = weight.dequantize()
+    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    bias = torch.randn(64).to(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = F.linear(x, weight, bias)  # what every nn.Linear of a block calls
+    assert [event.count for event in profile.key_averages() if "int4pack_mm" in event.key] == [1]
+    reference = F.linear(x.float(), dense.float(), bias.float())
+    dense_error = (F.linear(x, dense, bias).float() - reference).abs().max()
+    kernel_error = (out.float() - reference).abs().max()
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 5, 64)
+    # the kernel rounds each group's scale and zero to bfloat16 where the dense path rounds each weight:
+    # the same order of error, held to 3x the dense path's and 1% of the outputs' range (a misread
+    # code, zero or permutation is off by the outputs' whole size)
+    assert kernel_error <= max(3 * dense_error, 0.01 * reference.abs().max())
+    assert torch.equal(weight.dequantize(), dense)  # the call left the stored fields as they were
+
+
+def test_above_max_rows_float32_and_gradients_the_weight_is_dequantized_as_for_every_int4_format():
+    weight, _ = held("gptq", 32, 64, desc_act=True)
+    dense = weight.dequantize()
+    many = torch.randn(int4pack.MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert torch.equal(F.linear(many, weight), F.linear(many, dense))
+    assert torch.equal(F.linear(many.float(), weight), F.linear(many.float(), dense.float()))
+    trained = many[:2].clone().requires_grad_()
+    out = F.linear(trained, weight)
+    assert torch.equal(out, F.linear(trained, dense))
+    out.sum().backward()
+    assert trained.grad is not None
+
+
+def test_weights_the_kernel_cannot_take_keep_their_stored_form():
+    tensors, config, _ = one_linear("gptq", 24, 64)  # rows not a multiple of 16
+    assert type(GPTQ.pack(tensors, config, torch.bfloat16)["o.weight"]) is GptqWeight
+    tensors, config, _ = one_linear("gptq", 32, 64)
+    config["group_size"], tensors["o.g_idx"] = 16, (torch.arange(64) // 16).int()  # groups of 16 inputs
+    tensors["o.scales"] = tensors["o.scales"].repeat_interleave(2, dim=0)
+    tensors["o.qzeros"] = tensors["o.qzeros"].repeat_interleave(2, dim=0)
+    assert type(GPTQ.pack(tensors, config, torch.bfloat16)["o.weight"]) is GptqWeight
+    tensors, config, _ = one_linear("gptq", 32, 64)
+    tensors["o.g_idx"] = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)  # groups of unequal sizes
+    assert type(GPTQ.pack(tensors, config, torch.bfloat16)["o.weight"]) is GptqWeight
+
+
+@pytest.mark.parametrize("layout", INT_LAYOUTS)
+def test_4_bit_weights_are_held_for_the_kernel_in_at_most_1_10x_the_stored_bytes(checkpoint, layout):
+    quantized, _ = checkpoint(layout)
+    config = AutoDistributedConfig.from_pretrained(quantized)
+    opened = open_checkpoint(quantized)
+    _, keys = opened.block_keys(config.block_prefix, 2)
+    stored = sum(tensor.nbytes for tensor in opened.read(keys).values())
+    block = load_block(quantized, 2, config=config, checkpoint=opened)  # the checkpoint's float32
+    kinds = {
+        type(module)
+        for module in block.modules()
+        if isinstance(module, (GroupedIntWeight, GroupedInt4Weight))
+    }
+    assert kinds == ({GptqWeight} if layout == "gptq-8bit" else {GroupedInt4Weight})
+    assert block_weight_bytes(block) <= 1.10 * stored
+
+
+@pytest.mark.parametrize("layout", INT_LAYOUTS)
+def test_in_bfloat16_a_blocks_4_bit_linears_run_on_the_int4_kernel(checkpoint, layout):
+    """Within bfloat16's rounding of the update the same block dequantized at load computes (a misread
+    code, zero or permutation would be off by the whole update)."""
+    quantized, _ = checkpoint(layout)
+    packed = load_block(quantized, 2, torch.bfloat16)
+    dense = load_block(quantized, 2, torch.bfloat16, weights="dequantized")
+    # as small as the block's update: rounding a larger residual stream to bfloat16 would hide its error
+    hidden = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+    with (
+        torch.inference_mode(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile,
+    ):
+        output = packed(hidden)
+        expected = dense(hidden)
+    kernel_calls = sum(event.count for event in profile.key_averages() if "int4pack_mm" in event.key)
+    assert kernel_calls == KERNEL_CALLS[layout]
+    update, expected_update = (output - hidden).float(), (expected - hidden).float()
+    # bfloat16 roundings of scales, zeros and activations: 1.2% of the update's range here, held to 3%
+    assert (update - expected_update).abs().max() <= 0.03 * expected_update.abs().max()
+    assert kernel_calls == 0 or not torch.equal(output, expected)  # the kernel's own rounding: it did compute
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "seed"), [("gptq-4bit-sym", 19), ("gptq-4bit-act-order-asym", 55)])
+def test_bfloat16_servers_on_the_int4_kernel_give_transformers_greedy_tokens(checkpoint, layout, seed):
+    """The prompt is one where the float32 reference's top two logits stay 5% of the largest apart at
+    every step, so equal tokens test the kernel's weights rather than rounding luck."""
+    quantized, reference = checkpoint(layout)
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(seed))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).generate(ids, **kwargs)
+    top_two = [logits.topk(2).values[0] for logits in expected.logits]
+    assert min(float((top[0] - top[1]) / top.abs().max()) for top in top_two) > 0.05
+
+    server_args = ("--torch_dtype", "bfloat16")
+    with running_swarm(quantized, "0:2", "2:4", server_args=server_args) as (dht, servers):
+        for server in servers:
+            assert "gptq int4 checkpoint served packed on cpu" in server.log
+        model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            quantized, initial_peers=dht.initial_peers, **LOOPBACK_CLIENT
+        )
+        output = model.generate(ids, **kwargs)
+        model.close()
+    assert torch.equal(output.sequences, expected.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(output.logits, expected.logits, strict=True))
+    assert diff < 0.05 * max(logits.abs().max().item() for logits in expected.logits)

@@ -125,7 +125,8 @@ def test_the_kernel_computes_q_minus_8_times_scale_plus_zero():
     scales, zeros = torch.rand(64, 4, generator=generator), torch.randn(64, 4, generator=generator)
     weight = ((codes - 8).float().view(64, 4, 32) * scales[..., None] + zeros[..., None]).view(64, 128)
     x = torch.randn(2, 3, 128, generator=generator).to(torch.bfloat16)
-    out = int4pack.matmul(x, int4pack.pack(codes), 32, scales, zeros)
+    pairs = torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16)  # [groups, rows, 2]
+    out = int4pack.matmul(x, int4pack.pack(codes), 32, pairs)
     expected = F.linear(x.float(), weight)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
     assert (out.float() - expected).abs().max() <= 0.01 * expected.abs().max()
@@ -176,11 +177,25 @@ def test_bfloat16_inputs_go_through_the_kernel_within_bfloat16_error_of_the_dens
     assert torch.equal(weight.dequantize(), dense)  # the call left the stored fields as they were
 
 
-def test_float32_inputs_and_inputs_needing_gradients_see_the_dequantized_weight():
+@pytest.mark.parametrize("qtype", FOUR_BIT, ids=lambda qtype: qtype.name)
+def test_the_kernels_scales_and_zeros_are_the_types_own_rounded_once_to_bfloat16(qtype):
+    blocks = random_blocks(qtype, 80, 512, scale=0.01)
+    weight = gguf_weight(torch.from_numpy(blocks), qtype, (80, 512), torch.bfloat16)
+    four_bit = gguf_quants.four_bit_type(qtype)
+    by_block = torch.from_numpy(blocks).reshape(-1, gguf_quants.quant_type(qtype).type_size)
+    scales, zeros = (fields.reshape(80, -1).T for fields in four_bit.kernel_scales(*four_bit.split(by_block)))
+    expected = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)  # [in / 32, out, 2]
+    pairs = weight.scales_and_zeros()
+    assert pairs.is_contiguous() and torch.equal(pairs, expected)
+
+
+def test_float32_inputs_large_batches_and_inputs_needing_gradients_see_the_dequantized_weight():
     blocks = random_blocks(Q.Q4_K, 32, 256, scale=0.01)
     weight = gguf_weight(torch.from_numpy(blocks), Q.Q4_K, (32, 256), torch.bfloat16)
     x = torch.randn(2, 256)
     assert torch.equal(F.linear(x, weight), F.linear(x, weight.dequantize().float()))
+    many = torch.randn(int4pack.MAX_ROWS + 1, 256).to(torch.bfloat16)  # the kernel is slower there
+    assert torch.equal(F.linear(many, weight), F.linear(many, weight.dequantize()))
     trained = x.to(torch.bfloat16).requires_grad_()
     out = F.linear(trained, weight)
     assert torch.equal(out, F.linear(trained, weight.dequantize()))
