@@ -469,11 +469,11 @@ def test_a_server_quantizes_a_gptq_checkpoint_again_with_quant_type(checkpoint):
 # --- 4-bit weights held for torch's CPU int4 kernel ------------------------------------------------
 
 INT_LAYOUTS = sorted(layout for layout in LAYOUTS if not layout.startswith("mxfp4"))
-KERNEL_CALLS = {  # per block 2 in bfloat16: every 4-bit linear (the MoE's routed experts dequantize)
+KERNEL_CALLS = {  # per block 2 in bfloat16: every 4-bit linear, routed experts' too, each expert still packed
     "gptq-4bit-sym": 7,
     "gptq-4bit-act-order-asym": 7,
     "awq-gemm": 7,
-    "gptq-4bit-qwen3-moe": 4,
+    "gptq-4bit-qwen3-moe": 4 + 4 * 3,  # attention; each of the 4 experts hit: gate, up, down
     "gptq-8bit": 0,
 }
 

@@ -45,6 +45,7 @@ class Int4Weight(PackedWeight):
     gradient, another device, a large batch) sees the weight dequantized, as the format dequantizes it."""
 
     group_size: int
+    kernel = True
 
     def scales_and_zeros(self) -> torch.Tensor:
         """The kernel's bfloat16 ``[in / group_size, out, 2]`` (contiguous): each group's scale and zero."""

@@ -52,6 +52,14 @@ class PackedWeight(nn.Module):
         """Expert ``index`` of a 3-D weight, dequantized alone."""
         return self.dequantize()[index]
 
+    def expert_weight(self, index: int) -> torch.Tensor | PackedWeight:
+        """Expert ``index`` as ``weight[e]`` gives it: still packed where a kernel computes with it
+        (``kernel``: transformers' experts loop passes it to ``F.linear``, which calls its ``linear``),
+        else dequantized (``expert``)."""
+        return self.expert(index)
+
+    kernel = False  # whether ``linear`` computes with the packed weight (some inputs, some devices)
+
     def linear(self, inputs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)``: the dequantized weight, unless a subclass has a kernel.
         Where autograd records the step (a backward pass through the block), the weight is dequantized
@@ -94,7 +102,7 @@ class PackedWeight(nn.Module):
 
     def __getitem__(self, index) -> torch.Tensor:
         if self.ndim == 3 and (isinstance(index, int) or (torch.is_tensor(index) and index.ndim == 0)):
-            return self.expert(int(index))
+            return self.expert_weight(int(index))
         return self.dequantize()[index]
 
     def extra_repr(self) -> str:
@@ -191,6 +199,10 @@ class StackedWeight(PackedWeight):
     def expert(self, index: int) -> torch.Tensor:
         return self.parts[index].dequantize()
 
+    def expert_weight(self, index: int) -> torch.Tensor | PackedWeight:
+        part = self.parts[index]
+        return part if part.kernel else self.expert(index)
+
 
 class ConcatenatedWeight(PackedWeight):
     """Weights joined along ``dim`` (gate and up rows into one ``gate_up_proj``)."""
@@ -210,6 +222,25 @@ class ConcatenatedWeight(PackedWeight):
                 "experts of a weight concatenated along the experts are not addressed one by one"
             )
         return torch.cat([part.expert(index) for part in self.parts], dim=self.dim - 1)
+
+    def expert_weight(self, index: int) -> torch.Tensor | PackedWeight:
+        if self.dim == 0:
+            return self.expert(index)
+        parts = [part.expert_weight(index) for part in self.parts]
+        if all(isinstance(part, PackedWeight) for part in parts):
+            return ConcatenatedWeight(parts, self.dim - 1)
+        return torch.cat([_dense(part) for part in parts], dim=self.dim - 1)
+
+    @property
+    def kernel(self) -> bool:
+        return self.ndim == 2 and self.dim == 0 and all(part.kernel for part in self.parts)
+
+    def linear(self, inputs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows joined (gate and up): each part's own ``linear``, outputs side by side."""
+        if not self.kernel:
+            return super().linear(inputs, bias)
+        biases = [None] * len(self.parts) if bias is None else bias.split([p.shape[0] for p in self.parts])
+        return torch.cat([part.linear(inputs, b) for part, b in zip(self.parts, biases, strict=True)], dim=-1)
 
 
 def set_dtype(weight: PackedWeight, dtype: torch.dtype) -> None:
