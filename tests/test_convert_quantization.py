@@ -17,7 +17,7 @@ from conftest import LlamaFamilyPlugin, save_random_model, serving_only, tiny_co
 from petals import hookimpl
 from petals.block import allocate_cache
 from petals.convert import block_weight_bytes, estimate_block_weight_bytes, quantize_block
-from petals.convert.memory import is_router
+from petals.convert.quantization import is_router
 from petals.loading import load_block
 
 MAX_RELATIVE_ERROR = {"int8": 0.03, "nf4": 0.25}

@@ -105,3 +105,59 @@ def test_the_serving_engine_knows_no_transport(transport):
     engine = {module: imports for module, imports in modules_under().items() if module in ENGINE_MODULES}
     assert set(engine) == set(ENGINE_MODULES)
     assert offenders(engine, transport) == {}
+
+
+def import_cycles(modules: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of modules that import each other, directly or around a circle (Tarjan's strongly
+    connected components of more than one module)."""
+    graph = {module: {name for name in imports if name in modules} for module, imports in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph[module]:
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = set()
+            while not group or module not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                cycles.append(group)
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_scanner_finds_a_circle_of_imports():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+WEIGHT_LOADING = (
+    "petals.auto",
+    "petals.checkpoint",
+    "petals.loading",
+    "petals.wrappers",
+    "petals.formats",
+    "petals.convert",
+)
+
+
+def test_reading_weights_imports_in_one_direction():
+    """Config, checkpoint, formats, loading and conversion import one another without a circle (the old
+    auto -> loading -> gguf_checkpoint -> checkpoint_formats -> wrappers one included)."""
+    involved = [
+        cycle
+        for cycle in import_cycles(modules_under())
+        if any(module == name or module.startswith(name + ".") for module in cycle for name in WEIGHT_LOADING)
+    ]
+    assert involved == []

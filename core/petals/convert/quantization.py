@@ -20,12 +20,11 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from petals.convert.memory import is_experts, kept_exact
 from petals.formats.packed import PackedWeight, routed_one_by_one
 from petals.plugins import get_plugin_manager
 
@@ -54,6 +53,55 @@ def nbytes(quant_type: QuantType | str, shape: Sequence[int]) -> int:
             per_matrix + NF4_TABLES + NF4_STATE_JSON if not lead else experts * (per_matrix + 4) + NF4_TABLES
         )
     return experts * (count + 4 * rows) + (0 if lead else 1)  # int8 codes, a float32 scale per row
+
+
+def is_router(module: nn.Module) -> bool:
+    """An MoE router (transformers' ``*Router`` classes): small, and kept exact, as transformers keeps
+    several families' in float32. Some are ``nn.Linear`` subclasses whose forward also routes (Llama 4's,
+    PhiMoE's), which a quantized linear put in their place would not do."""
+    return type(module).__name__.endswith("Router")
+
+
+def is_experts(module: nn.Module, parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` of ``module`` is a fused 3-D expert weight ``[experts, ...]``: a
+    convolution's kernel (``[channels, 1, width]``, Mamba's, LFM2's, gated delta nets') is 3-D too, but
+    no stack of matrices."""
+    return (
+        parameter.ndim == 3
+        and parameter.is_floating_point()
+        and not isinstance(module, nn.modules.conv._ConvNd)
+    )
+
+
+def kept_exact(block: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Which submodules (by path in the block) quantization leaves as they are: routers (``is_router``)
+    and what transformers keeps in float32 for the block's model (``_keep_in_fp32_modules``, such as
+    GLM-5's indexer ``weights_proj``, whose input the layer casts to that weight's dtype), which
+    transformers' own bitsandbytes integration does not convert either."""
+    from petals.loading import kept_in_float32
+
+    kept = kept_in_float32(type(block), torch.float16)
+    return lambda path, module: is_router(module) or (kept is not None and kept.search(path) is not None)
+
+
+def weight_matrices(block: nn.Module) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    """``(name, weight, is_experts)`` of each weight matrix that quantization and packed formats act on:
+    the weights of ``nn.Linear`` modules and 3-D expert weights (``is_experts``), outside the modules
+    ``kept_exact`` names. Norms, biases and convolutions are not among them."""
+    yield from _weight_matrices(block, "", kept_exact(block))
+
+
+def _weight_matrices(
+    module: nn.Module, prefix: str, kept: Callable[[str, nn.Module], bool]
+) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    for name, parameter in module.named_parameters(recurse=False):
+        if is_experts(module, parameter):
+            yield prefix + name, parameter, True
+        elif isinstance(module, nn.Linear) and name == "weight":
+            yield prefix + name, parameter, False
+    for name, child in module.named_children():
+        if not kept(prefix + name, child):
+            yield from _weight_matrices(child, f"{prefix}{name}.", kept)
 
 
 def quantize_block(
@@ -88,14 +136,14 @@ def quantize_block(
 def _replace_modules(
     module: nn.Module,
     prefix: str,
-    kept: Callable[[str, nn.Module], bool],  # petals.convert.memory.kept_exact: routers, float32 modules
+    kept: Callable[[str, nn.Module], bool],  # kept_exact: routers, float32 modules
     offer: Callable[..., nn.Module | None],  # the family's quantize_module hook, called with module=
     quantize_linear: Callable[[nn.Linear], nn.Module],
     quantize_experts: Callable[[torch.Tensor], PackedWeight],
 ) -> None:
     """Quantize ``module``'s own 3-D weights (fused experts), then each child not ``kept``: a linear, what
     the family's hook answers for it (a module it returns is kept as it is), or its own weights and
-    children (``petals.convert.memory.weight_matrices`` names the same matrices)."""
+    children (``weight_matrices`` names the same matrices)."""
     for name, parameter in list(module.named_parameters(recurse=False)):
         if is_experts(module, parameter):
             del module._parameters[name]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from petals.formats import FP8_DTYPES, CheckpointFormatError, WeightFormat, excluded
+from petals.formats.base import FP8_DTYPES, CheckpointFormatError, WeightFormat, excluded
 from petals.formats.packed import PackedWeight
 
 DEFAULT_BLOCK = (128, 128)

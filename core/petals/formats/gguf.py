@@ -333,7 +333,7 @@ def gguf_weight(
     CPU, which torch's int4 kernel computes with, as a ``GgufInt4Weight``; anything else as its GGUF
     blocks (``GgufWeight``: in float32, say, every forward dequantizes, and the blocks do that fastest).
     ``raw``: the stored uint8 rows; ``order``: where the architecture's processor puts them (``_row_layout``)."""
-    from petals.formats import int4pack
+    import petals.formats.int4pack as int4pack
     from petals.formats.gguf_quants import four_bit_type
 
     rows = raw.reshape(int(np.prod(shape[:-1])), -1)
@@ -407,7 +407,7 @@ class GgufInt4Weight(Int4Weight):
     def __init__(
         self, rows: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype | None
     ) -> None:
-        from petals.formats import int4pack
+        import petals.formats.int4pack as int4pack
         from petals.formats.gguf_quants import four_bit_type, quant_type
 
         super().__init__(shape, dtype or torch.float32)
@@ -428,7 +428,7 @@ class GgufInt4Weight(Int4Weight):
         return [pair[..., index] for pair in paired for index in range(pair.shape[-1])]
 
     def dequantize(self) -> torch.Tensor:
-        from petals.formats import int4pack
+        import petals.formats.int4pack as int4pack
         from petals.formats.gguf_quants import chunk_values, combine, four_bit_type, in_chunks
 
         out_features, in_features = self.shape
@@ -450,7 +450,7 @@ class GgufInt4Weight(Int4Weight):
         return values
 
     def scales_and_zeros(self) -> torch.Tensor:
-        from petals.formats import int4pack
+        import petals.formats.int4pack as int4pack
         from petals.formats.gguf_quants import four_bit_type
 
         out_features = self.shape[0]

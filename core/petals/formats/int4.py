@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from petals.formats import CheckpointFormatError, WeightFormat, int4pack
+import petals.formats.int4pack as int4pack
+from petals.formats.base import CheckpointFormatError, WeightFormat
 from petals.formats.packed import PackedWeight
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # where output k of eight sits among a packed int32's nibbles

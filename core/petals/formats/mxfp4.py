@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from petals.formats import CheckpointFormatError, WeightFormat
+from petals.formats.base import CheckpointFormatError, WeightFormat
 from petals.formats.packed import PackedWeight
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
