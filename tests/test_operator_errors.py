@@ -98,7 +98,7 @@ DAMAGED_CHECKPOINTS = [
     (
         "k_proj transposed",
         change_tensors(transpose("self_attn.k_proj.weight")),
-        "model.safetensors: block 0 does not match the model its config.json describes "
+        "model.safetensors: block 0 does not match the model its config describes "
         "(self_attn.k_proj.weight is [64, 32], not [32, 64])",
     ),
     (
@@ -109,7 +109,7 @@ DAMAGED_CHECKPOINTS = [
     (
         "a block missing some tensors",
         change_tensors(drop("mlp.up_proj.weight", "input_layernorm.weight")),
-        "model.safetensors: block 0 does not match the model its config.json describes (missing "
+        "model.safetensors: block 0 does not match the model its config describes (missing "
         "mlp.up_proj.weight; missing input_layernorm.weight)",
     ),
     ("a block with an extra tensor", change_tensors(add_extra), "(unexpected mlp.extra_proj.weight)"),

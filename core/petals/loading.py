@@ -197,7 +197,7 @@ def _fill_block(
         shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         where = _file_of(checkpoint, prefix, problems)
         raise CheckpointError(
-            f"{where}: block {block_index} does not match the model its config.json describes ({shown}): "
+            f"{where}: block {block_index} does not match the model its config describes ({shown}): "
             "the checkpoint is damaged or belongs to another model; download it again"
         )
     install_weights(block, state_dict)
