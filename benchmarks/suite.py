@@ -8,6 +8,7 @@ from benchmarks import (
     deepseek_latent,
     forward_throughput,
     generation_latency,
+    packed_speed,
     private_swarm,
     server_memory,
     server_start,
@@ -37,4 +38,5 @@ SUITE = {
     **cache_kinds.BENCHMARKS,  # no swarm: one block's cache in this process
     **cache_budget.BENCHMARKS,  # no swarm: a server's cache budget in this process
     **deepseek_latent.BENCHMARKS,  # no swarm: one DeepSeek layer in three forms in this process
+    **packed_speed.BENCHMARKS,  # no swarm: one block per checkpoint format, packed and dequantized
 }
