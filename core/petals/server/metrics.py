@@ -139,7 +139,31 @@ class _LiveStateCollector:
             "petals_server_open_sessions", "Open inference sessions", value=len(engine.sessions)
         )
         yield GaugeMetricFamily("petals_server_blocks", "Blocks this server hosts", value=len(engine.blocks))
-        budget = engine.budget
+        yield from self._cache_metrics(engine.budget)
+        yield CounterMetricFamily(
+            "petals_server_tokens_computed",
+            "Tokens computed, each counted once per block it went through (token-blocks)",
+            value=engine.tokens_processed,
+        )
+        yield CounterMetricFamily(
+            "petals_server_compute_busy_seconds",
+            "Seconds the compute thread computed",
+            value=engine.busy_seconds,
+        )
+        yield CounterMetricFamily(
+            "petals_server_merged_batches",
+            "Compute calls that ran several tasks",
+            value=engine.scheduler.batches_merged,
+        )
+        stats = CounterMetricFamily("petals_server_events", "Inference and push events", labels=["event"])
+        for event, count in dict(engine.events).items():  # a copy: the event loop may add keys meanwhile
+            stats.add_metric([event], count)
+        yield stats
+
+    @staticmethod
+    def _cache_metrics(budget: Any) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         cache = GaugeMetricFamily("petals_server_kv_cache_bytes", "KV-cache budget by use", labels=["use"])
         cache.add_metric(["used"], budget.bytes_used)
         cache.add_metric(["free"], budget.bytes_left)
@@ -173,25 +197,6 @@ class _LiveStateCollector:
             "KV-cache bytes sessions hold (live, idle or kept), by cache kind",
             labels=["kind"],
         )
-        for kind, nbytes in engine.budget.bytes_by_kind().items():
+        for kind, nbytes in budget.bytes_by_kind().items():
             held.add_metric([kind], nbytes)
         yield held
-        yield CounterMetricFamily(
-            "petals_server_tokens_computed",
-            "Tokens computed, each counted once per block it went through (token-blocks)",
-            value=engine.tokens_processed,
-        )
-        yield CounterMetricFamily(
-            "petals_server_compute_busy_seconds",
-            "Seconds the compute thread computed",
-            value=engine.busy_seconds,
-        )
-        yield CounterMetricFamily(
-            "petals_server_merged_batches",
-            "Compute calls that ran several tasks",
-            value=engine.scheduler.batches_merged,
-        )
-        stats = CounterMetricFamily("petals_server_events", "Inference and push events", labels=["event"])
-        for event, count in dict(engine.events).items():  # a copy: the event loop may add keys meanwhile
-            stats.add_metric([event], count)
-        yield stats

@@ -35,7 +35,7 @@ import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,11 +231,8 @@ def _check_exactness(
 ) -> None:
     generator = torch.Generator().manual_seed(schedule.seed)
     vocab, batch_size, atol = config.vocab_size, schedule.batch_size, schedule.atol
-    steps = schedule.step_lengths
-    inputs = [torch.randint(0, vocab, (batch_size, n), generator=generator) for n in steps]
-    chain = _TwoServers(blocks, config.block_output_is_tuple)
-    half = len(blocks) // 2
-
+    inputs = [torch.randint(0, vocab, (batch_size, n), generator=generator) for n in schedule.step_lengths]
+    chain = _TwoServers(blocks, config.block_output_is_tuple)  # its caches start as None: no cache
     compare = functools.partial(_compare_logits, report, config.model_type, atol, blocks[0], reference)
 
     def ours(input_ids: torch.Tensor) -> torch.Tensor:
@@ -244,18 +241,18 @@ def _check_exactness(
 
     with torch.no_grad():
         full_sequence = torch.cat(inputs, dim=1)
-        chain.caches = None
         without_cache = reference(input_ids=full_sequence, use_cache=False).logits
         compare("forward without cache", without_cache, ours(full_sequence))
 
         reference_cache = DynamicCache(config=reference.config)
         server_caches = _open_caches(specs, batch_size, schedule.max_length)
+        half = len(blocks) // 2
         assert {id(c) for c in server_caches[:half]}.isdisjoint(id(c) for c in server_caches[half:])
         chain.caches = server_caches
         for index, input_ids in enumerate(inputs):
             expected = reference(input_ids=input_ids, cache=reference_cache, use_cache=True).logits
             compare(f"step {index} ({input_ids.shape[1]} tokens)", expected, ours(input_ids))
-        assert all(cache.position == sum(steps) for cache in server_caches)
+        assert all(cache.position == full_sequence.shape[1] for cache in server_caches)
         _check_held(config, specs, server_caches)
 
         # beam search: servers reorder their caches by hypo_ids, as transformers reorders its cache
@@ -272,21 +269,46 @@ def _check_exactness(
             cache.rewind(cache.position - 1)
         compare("step replayed after rewind", expected, ours(next_ids))
 
-        # a kept session continued from further back: every block goes back as far towards three tokens
-        # back as all of them can (``resumable``: a window's margin, a state's snapshots, or 0), and the
-        # tokens from there, replayed as one step, end in the same logits
-        tokens = torch.cat([full_sequence[hypo_ids], next_ids], dim=1)
-        back = furthest_common(server_caches, tokens.shape[1] - 3)
-        for cache in server_caches:
-            cache.rewind(back)
-        compare(f"step resumed at position {back}", expected, ours(tokens[:, back:])[:, -1:])
+        _check_resume_and_failover(
+            chain,
+            ours,
+            compare,
+            specs,
+            schedule,
+            server_caches,
+            full_sequence[hypo_ids],
+            without_cache[hypo_ids],
+            next_ids,
+            expected,
+        )
 
-        # failover: a fresh server is handed the session's whole history (its beams reordered) as one
-        # step, as the client replays it, then computes the next step as the lost server did
-        chain.caches = _open_caches(specs, batch_size, schedule.max_length)
-        history = full_sequence[hypo_ids]
-        compare("history replayed onto fresh caches", without_cache[hypo_ids], ours(history))
-        compare("step after the replayed history", expected, ours(next_ids))
+
+def _check_resume_and_failover(
+    chain: _TwoServers,
+    ours: Callable[[torch.Tensor], torch.Tensor],
+    compare: Callable[[str, torch.Tensor, torch.Tensor], None],
+    specs: list[CacheSpec],
+    schedule: StepSchedule,
+    server_caches: list,
+    history: torch.Tensor,
+    history_logits: torch.Tensor,
+    next_ids: torch.Tensor,
+    expected: torch.Tensor,
+) -> None:
+    # a kept session continued from further back: every block goes back as far towards three tokens
+    # back as all of them can (``resumable``: a window's margin, a state's snapshots, or 0), and the
+    # tokens from there, replayed as one step, end in the same logits
+    tokens = torch.cat([history, next_ids], dim=1)
+    back = furthest_common(server_caches, tokens.shape[1] - 3)
+    for cache in server_caches:
+        cache.rewind(back)
+    compare(f"step resumed at position {back}", expected, ours(tokens[:, back:])[:, -1:])
+
+    # failover: a fresh server is handed the session's whole history (its beams reordered) as one
+    # step, as the client replays it, then computes the next step as the lost server did
+    chain.caches = _open_caches(specs, history.shape[0], schedule.max_length)
+    compare("history replayed onto fresh caches", history_logits, ours(history))
+    compare("step after the replayed history", expected, ours(next_ids))
 
 
 def _compare_logits(
