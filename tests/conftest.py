@@ -17,6 +17,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoTokenizer,
     BloomConfig,
     FalconConfig,
     Gemma3Config,
@@ -30,6 +31,7 @@ from transformers import (
 )
 
 from petals import hookimpl
+from petals.demo_model import prepare_demo_model
 from petals.plugins import PluginManager, using_plugin_manager
 from petals_llama.config import DistributedLlamaConfig
 
@@ -456,3 +458,25 @@ def imported_modules(log_lines) -> set[str]:
     ("import time: <self us> | <cumulative us> | <indented module name>"). A module imported by
     ``importlib.import_module`` is not listed itself, only what its own import statements import."""
     return {line.rsplit("|", 1)[1].strip() for line in log_lines if line.startswith("import time:")}
+
+
+@pytest.fixture(scope="session")
+def chat_model_path(tmp_path_factory) -> Path:
+    """A random 4-block Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer (``petals api``
+    needs one)."""
+    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("chat") / "tiny-chat-llama"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -15,7 +15,7 @@ from hivemind.p2p import PeerID
 
 import petals
 from conftest import LOOPBACK_CLIENT, inprocess_swarm
-from petals.client.routing import MissingBlocksError, RouteBanned, ban_seconds, judge_failure
+from petals.client.routing import MissingBlocksError, RouteBanned, Verdict, ban_seconds, judge_failure
 from petals.network.client import SwarmUnreachableError
 from petals.plugins import UnknownModelTypeError
 
@@ -115,8 +115,8 @@ def test_bans_are_capped_and_one_stall_is_one_failure(swarm):
     """Bans double per failure up to a minute; the failures of requests that were in flight when a
     server was banned (32 sessions hit by one stall) do not ban it again."""
     assert [ban_seconds(15, failures) for failures in (1, 2, 3, 4, 40, 10_000)] == [15, 30, 60, 60, 60, 60]
-    assert judge_failure(TimeoutError(), only_server=False) == (True, True)
-    assert judge_failure(TimeoutError(), only_server=True) == (True, False)
+    assert judge_failure(TimeoutError(), only_server=False) == Verdict(retry=True, ban=True)
+    assert judge_failure(TimeoutError(), only_server=True) == Verdict(retry=True, ban=False)
     path, peers, _ = swarm
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, **LOOPBACK_CLIENT
@@ -233,4 +233,4 @@ def test_a_streamed_answer_that_ends_early_is_a_server_fault_to_retry_elsewhere(
         "without an answer" if answer == "nothing" else "cut short: a streamed tensor announced 3 parts but 1"
     )
     assert expected in str(error)
-    assert judge_failure(error) == (True, True)  # retried elsewhere, this server banned for a while
+    assert judge_failure(error) == Verdict(retry=True, ban=True)  # retried elsewhere, this server banned for a while

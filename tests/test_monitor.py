@@ -430,6 +430,8 @@ def test_the_page_shows_coverage_bars_and_server_rows(swarm, tmp_path):
             assert row.locator("td.blocks").inner_text() == "0:2"
             assert row.locator("td.public-name").inner_text() == "alice"
             assert re.fullmatch(r"0\.0 of \d+\.\d MiB", row.locator("td.cache-held").inner_text())
+            assert re.fullmatch(r"0/0/[1-9]\d*", row.locator("td.pages-live-kept-free").inner_text())
+            assert row.locator("td.preempted").inner_text() == "0"
             # a server that left in an earlier test may still be listed, OFFLINE, until its record expires
             online = 'tr.server:has(td.state:text-is("ONLINE"))'
             assert llama.locator(online).count() == 2 and bloom.locator(online).count() == 1

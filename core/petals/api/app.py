@@ -26,6 +26,7 @@ from petals.api.errors import APIError, send_error
 from petals.api.guard import ASGIApp, Guard, GuardMiddleware
 from petals.api.openai_routes import openai_router
 from petals.api.service import ModelService
+from petals.client.kept_sessions import KeptSessions
 from petals.client.suspects import Suspects
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,33 @@ def service_metrics(service: ModelService) -> str:
     return "".join(
         f"# HELP {name} {text}\n# TYPE {name} gauge\n{name} {places.taken}\n{name}_limit {places.limit}\n"
         for name, text, places in gauges
+    )
+
+
+def kept_session_metrics(kept: KeptSessions) -> str:
+    """How often requests continued a kept session (``petals.client.kept_sessions``), in Prometheus' format."""
+    samples = [
+        (
+            "petals_api_kept_sessions",
+            "gauge",
+            "Finished requests' sessions kept for their chat's next turn",
+            len(kept),
+        ),
+        (
+            "petals_api_sessions_continued_total",
+            "counter",
+            "Requests that continued a kept session",
+            kept.continued,
+        ),
+        (
+            "petals_api_reused_tokens_total",
+            "counter",
+            "Prompt tokens those requests did not compute again",
+            kept.reused_tokens,
+        ),
+    ]
+    return "".join(
+        f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name} {value}\n" for name, kind, text, value in samples
     )
 
 
@@ -88,7 +116,8 @@ def create_app(service: ModelService, guard: Guard | None = None) -> ASGIApp:
 
     @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
     async def metrics() -> str:
-        return service_metrics(service) + verification_metrics(service.model.remote_blocks.manager.suspects)
+        suspects = service.model.remote_blocks.manager.suspects
+        return service_metrics(service) + kept_session_metrics(service.kept) + verification_metrics(suspects)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

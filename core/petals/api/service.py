@@ -6,6 +6,12 @@ consumer's ``cancel`` reaches the worker at once, even while it waits for a serv
 inference session's ``cancel``), or at its next token: ``generate`` stops, and leaving the inference
 session closes it on every server, which frees their caches and the request's place.
 
+A request's session is kept when its generation ends (``petals.client.kept_sessions``): the next request
+whose prompt extends its tokens (an OpenAI client's next turn, which sends the whole conversation again)
+continues it from their common prefix instead of computing the conversation again. A request that fails
+or whose client left closes its session for good. One client model per process, hence one p2p identity:
+servers keep a session only for the peer that closed it.
+
 Places are counted twice: ``max_in_progress`` generations at a time (a request, or one WebSocket turn),
 and ``max_sessions`` open WebSocket sessions, so that idle chats never keep a generation from running.
 
@@ -38,6 +44,7 @@ from transformers.generation.logits_process import (
 
 from petals.api.errors import Cancelled, ServiceBusyError
 from petals.api.text import StreamingText
+from petals.client.kept_sessions import IDLE_SECONDS, MAX_SESSIONS, KeptSessions
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,8 @@ class Limits:
     max_in_progress: int = 64  # generations running or waiting for the swarm (requests, WebSocket turns)
     session_timeout: float = 300.0  # a WebSocket session idle longer than this is closed
     max_sessions: int = 64  # open WebSocket sessions (idle ones hold no generation place)
+    kept_sessions: int = MAX_SESSIONS  # finished requests' sessions kept for the next turn of their chat
+    kept_seconds: float = IDLE_SECONDS  # and for how long each, unused
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,7 @@ class ModelService:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.variants: dict[str, ModelService] = {}
+        self.kept = KeptSessions(limits.kept_sessions, limits.kept_seconds)
 
     def add_variant(self, model, model_id: str) -> ModelService:
         """Serve ``model`` (this one with trained prompts) as ``model_id`` too, within the same limits."""
@@ -234,25 +244,33 @@ class ModelService:
         return events
 
     @contextlib.contextmanager
-    def session(self, max_length: int, events: Events) -> Iterator[Any]:
+    def session(self, max_length: int, events: Events, prompt_ids: list[int] | None = None) -> Iterator[Any]:
         """An inference session of the shared model, for this worker thread only; ``events.cancel``
-        cancels it, also while a step waits for a server."""
+        cancels it, also while a step waits for a server. With ``prompt_ids``, the kept session they
+        continue (or a new one), kept again if the generation ends well."""
         # the model is thread-safe: every request's thread has sessions of its own, side by side
         if events.cancelled.is_set():  # the client left while waiting for a place
             raise Cancelled
-        with self.model.inference_session(max_length=max_length) as session:
+        if prompt_ids is None:
+            opened = self.model.inference_session(max_length=max_length)
+        else:
+            manager, length = self.model.remote_blocks.manager, max_length + self.model.prompt_length
+            opened = self.model.use_session(self.kept.open(manager, prompt_ids, length))
+        with opened as session:
             events.on_cancel(session.cancel)
             yield session
+        self.kept.put(session)
 
     def stream(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, text: StreamingText
     ) -> Events:
-        """One generation in a session of its own: ``Chunk`` events, then ``Finished``."""
+        """One generation in a session of its own (or the kept one its prompt continues): ``Chunk``
+        events, then ``Finished``."""
 
         def work(events: Events) -> None:
-            with self.session(len(prompt_ids) + max_new_tokens, events):
+            with self.session(len(prompt_ids) + max_new_tokens, events, prompt_ids):
                 finished = self.generate(events, prompt_ids, max_new_tokens, sampling, text)
-            events.put(finished)  # after the session is closed: the servers' caches are free again
+            events.put(finished)  # after the session is closed: the servers' caches are free (or lent) again
 
         return self.start(work)
 

@@ -4,7 +4,13 @@ The servers hold the KV caches; the client passes transformers a ``RemotePastKey
 reports how many positions the session has seen and turns beam reorders into ``hypo_ids`` for the
 next step. ``generate`` opens a session when none is active; inside an active session, several
 calls continue it: earlier tokens are prepended (so repetition penalties see them) but not
-recomputed, and each call returns the new inputs plus what it generated.
+recomputed, and each call returns the new inputs plus what it generated. Inputs that begin with
+everything the session has seen (a chat client resending the conversation) are its continuation, not
+new tokens to append: only the rest is computed, and the call returns them all, as ``generate`` would.
+
+Across calls, ``generate(..., kept_sessions=KeptSessions())`` keeps each generation's session on its
+servers and continues the one whose tokens the next inputs extend (``petals.client.kept_sessions``);
+a session opened with ``keep=True`` and passed as ``session=`` again is continued the same way.
 
 Speculative decoding is transformers' own assisted generation (``assistant_model=`` a local draft,
 or ``prompt_lookup_num_tokens=``): each step sends the proposed tokens through the swarm at once,
@@ -17,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from petals.client.inference_session import InferenceSession
+from petals.client.kept_sessions import KeptSessions
 
 
 class RemotePastKeyValues(Cache):
@@ -58,10 +65,19 @@ class RemoteGenerationMixin:
     _is_stateful = False
 
     def generate(
-        self, inputs: torch.Tensor | None = None, *args, session: InferenceSession | None = None, **kwargs
+        self,
+        inputs: torch.Tensor | None = None,
+        *args,
+        session: InferenceSession | None = None,
+        kept_sessions: KeptSessions | None = None,
+        **kwargs,
     ):
         remote = self.remote_blocks
+        if kept_sessions is not None:
+            return self._generate_kept(kept_sessions, inputs, *args, **kwargs)
         if session is not None and remote.active_session is None:
+            if session.kept:
+                session.reopen(max(session.max_length, _continued_length(self, session, inputs, kwargs)))
             with remote.use_session(session):
                 return self._generate_in_session(session, inputs, *args, **kwargs)
         if remote.active_session is not None:
@@ -69,6 +85,20 @@ class RemoteGenerationMixin:
         max_length = _session_length(self, inputs, kwargs)
         with remote.inference_session(max_length=max_length) as new_session:
             return self._generate_in_session(new_session, inputs, *args, **kwargs)
+
+    def _generate_kept(self, kept_sessions: KeptSessions, inputs: torch.Tensor | None, *args, **kwargs):
+        """``generate`` in the kept session ``inputs`` continue (or a new one), kept again afterwards."""
+        remote = self.remote_blocks
+        if remote.active_session is not None:
+            raise ValueError(
+                "kept_sessions chooses the session itself: call generate outside inference_session"
+            )
+        ids = kwargs.get("input_ids", inputs)
+        session = kept_sessions.open(remote.manager, ids, _session_length(self, inputs, kwargs))
+        with remote.use_session(session):
+            output = self._generate_in_session(session, inputs, *args, **kwargs)
+        kept_sessions.put(session)
+        return output
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """transformers' check of ``generate``'s extra arguments, less the two this mixin passes itself:
@@ -81,21 +111,44 @@ class RemoteGenerationMixin:
         inputs = kwargs.pop("input_ids", inputs)
         _check_unpadded(kwargs.pop("attention_mask", None), inputs)
         previous = session.output_ids
-        if previous is not None:
+        resent = previous is not None and inputs is not None and _extends(inputs, previous)
+        if previous is not None and not resent:
             inputs = previous if inputs is None else torch.cat([previous, inputs.to(previous.device)], dim=1)
         if inputs is None:
             raise ValueError("generate needs input_ids (or a session that has already seen some)")
+        if session.tokens >= inputs.shape[1]:  # a generation computes at least its last input
+            session.rollback(inputs.shape[1] - 1 + session.prompt_length)
         kwargs["cache"] = RemotePastKeyValues(session)
         kwargs["attention_mask"] = torch.ones_like(inputs)
         output = super().generate(inputs, *args, **kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         session.output_ids = sequences
-        if previous is None:
+        if previous is None or resent:
             return output
         if isinstance(output, torch.Tensor):
             return output[:, previous.shape[1] :]
         output.sequences = sequences[:, previous.shape[1] :]
         return output
+
+
+def _extends(inputs: torch.Tensor, previous: torch.Tensor) -> bool:
+    """Whether ``inputs`` begin with all of ``previous`` (the session's tokens sent again)."""
+    length = previous.shape[1]
+    return (
+        inputs.shape[0] == previous.shape[0]
+        and inputs.shape[1] >= length
+        and torch.equal(inputs[:, :length].to(previous.device), previous)
+    )
+
+
+def _continued_length(model, session: InferenceSession, inputs: torch.Tensor | None, kwargs: dict) -> int:
+    """The positions a generation continuing ``session`` needs: ``_session_length`` of its inputs, plus
+    the session's earlier tokens where the inputs are appended to them."""
+    length = _session_length(model, inputs, kwargs)
+    previous, ids = session.output_ids, kwargs.get("input_ids", inputs)
+    if previous is not None and not (ids is not None and _extends(ids, previous)):
+        length += previous.shape[1]
+    return length
 
 
 def _session_length(model, inputs: torch.Tensor | None, kwargs: dict) -> int:

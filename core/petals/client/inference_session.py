@@ -8,6 +8,16 @@ so the replacement rebuilds exactly the cache the dead server had and answers fo
 one's history. Positions never go out of step, so a healthy replacement is never blamed for the
 dead server (Petals issue #587).
 
+A server short of memory fails nobody: a session whose pages went to an older session (``[preempted]``)
+or that found no room (``[cache_full]``) is replayed its history at once, in the server's line or where
+there is room (``routing.judge_failure``), without a ban.
+
+A session closed with ``keep`` (``close(keep=True)``, or on leaving its ``with`` block when opened with
+``keep=True``) stays on its servers, its pages lent until it goes on, and keeps what it sent them here;
+``reopen`` continues it, rolled back first wherever the next inputs differ (``KeptSessions`` does both for
+``generate`` and ``petals api``). Its next step reopens each server's kept session
+(``ServerSession.close``): a server that lent its pages meanwhile is sent what it lost, from the history.
+
 A step may wait long (for the only server of some blocks, or a backoff between retries), and the thread
 that runs it cannot be interrupted: ``cancel``, from any thread, ends the step in progress and every
 later one with ``SessionCancelled`` (an API whose client has left frees its place this way).
@@ -33,6 +43,7 @@ from petals.client.server_session import ServerSession, close_all, spawn
 from petals.client.verification import Verifier
 from petals.data_structures import RemoteSpanInfo
 from petals.tracing import NO_TRACE, StepTrace
+from petals.wire_errors import error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +81,11 @@ class InferenceSession:
     positions through all blocks and returns the last block's outputs.
     """
 
-    def __init__(self, manager: RemoteSequenceManager, max_length: int) -> None:
+    def __init__(self, manager: RemoteSequenceManager, max_length: int, keep: bool = False) -> None:
         self.manager, self.max_length = manager, max_length
+        self.keep = keep  # leaving the ``with`` block without an error closes it with keep
+        self.kept = False  # closed with keep: ``reopen`` continues it
+        self._key = uuid.uuid4().hex  # its servers keep it under this key (and their blocks)
         self.position = 0
         self.output_ids: torch.Tensor | None = None  # tokens seen so far (kept by generate)
         self.pending_hypo_ids: torch.Tensor | None = None  # a beam reorder for the next step
@@ -86,7 +100,11 @@ class InferenceSession:
         self._running: asyncio.Task | None = None  # the step in progress, on the network loop
 
     def cancel(self) -> None:
-        """From any thread: end the step in progress, and every later one, with ``SessionCancelled``."""
+        """From any thread: end the step in progress, and every later one, with ``SessionCancelled``. A
+        closed session has nothing to cancel: one kept for a later request is not cancelled by the
+        request that ended (an API's client that leaves once its answer is complete)."""
+        if self._closed:
+            return
         self._cancelled = True
         with contextlib.suppress(RuntimeError):  # the network has already left: no step can be running
             self.manager.network.loop.call_soon_threadsafe(self._cancel_running)
@@ -102,15 +120,39 @@ class InferenceSession:
     def __enter__(self) -> InferenceSession:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(keep=self.keep and exc_type is None)
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            sessions, self._sessions = self._sessions, []
-            self.manager.network.run(close_all(sessions), timeout=30)
-            tracing.log_session(self._traced_steps)
+    def close(self, keep: bool = False) -> None:
+        """Close the session on every server; with ``keep``, each server keeps it (its pages lent until
+        then) for ``reopen`` to continue, and so does this object (what it sent them). A session whose
+        servers are out of step (a step failed half-way) or that was cancelled is closed for good."""
+        if self._closed:
+            return
+        self._closed = True
+        keep = keep and not self._cancelled and all(s.position == self.position for s in self._sessions)
+        sessions = self._sessions if keep else []
+        sessions, self._sessions = self._sessions, sessions
+        self.manager.network.run(close_all(sessions, self._key if keep else None), timeout=30)
+        self.kept = keep
+        tracing.log_session(self._traced_steps)
+        self._traced_steps = []
+
+    def reopen(self, max_length: int) -> None:
+        """Continue a session closed with ``keep``, now for up to ``max_length`` positions: its next step
+        reopens it on each server (``rollback`` first to go on from an earlier position)."""
+        if not self.kept:
+            raise RuntimeError("only a session closed with keep can be reopened")
+        if max_length < self.position:
+            raise ValueError(f"max_length {max_length} is less than the {self.position} positions kept")
+        self._closed, self.kept, self.max_length = False, False, max_length
+        for session in self._sessions:
+            session.max_length = max_length
+
+    @property
+    def tokens(self) -> int:
+        """Positions the servers hold for the tokens generated so far (``output_ids``), prompts excluded."""
+        return self.position - self.prompt_length
 
     def rollback(self, position: int) -> None:
         """Go back to ``position``: the next step overwrites everything from there on, on every server.
@@ -279,12 +321,26 @@ class InferenceSession:
                 raise RuntimeError(f"no history to replay for blocks {span.start}:{span.end}")
             # a replay starts at position 0, so it carries the deep prompts sent with position 0
             hidden, prompts, hypo_ids = torch.cat([at.replay, hidden], dim=1), self._first_prompts, None
-        elif session.resent_from == 0:  # the session sends its history again, from position 0
-            prompts = self._first_prompts
-        span_prompts = prompts[span.start : span.end] if prompts is not None else None
         next_servers = None if fresh or verified else self._next_servers(at.index)
         name = _server_name(at.index, len(self._sessions))
-        return await session.step((hidden, span_prompts, hypo_ids), step_id, next_servers, trace, name)
+        while True:
+            if not fresh and session.resent_from == 0:  # the session sends its history again, from 0
+                prompts = self._first_prompts
+            span_prompts = prompts[span.start : span.end] if prompts is not None else None
+            output = await session.step((hidden, span_prompts, hypo_ids), step_id, next_servers, trace, name)
+            if output is not None:
+                return output
+            # a kept session its server holds less of: sent again from there (a step id of its own: the
+            # server has claimed the first one)
+            logger.info(
+                "Server %s held %d positions of this session on blocks %d:%d; sending it the %d after them",
+                span.peer_id,
+                session.resent_from,
+                span.start,
+                span.end,
+                session.position - session.resent_from,
+            )
+            step_id, next_servers = str(uuid.uuid4()), None
 
     async def _open(self, start: int, end: int, hidden: torch.Tensor) -> list[ServerSession]:
         """Sessions on a route for blocks ``[start, end)``; on a new route with pushes on, all opened at once."""
@@ -301,24 +357,35 @@ class InferenceSession:
 
     async def _fail_over(self, at: ChainPosition, error: BaseException) -> None:
         """Drop the failed server session (the step routes its blocks anew from ``at``), or raise
-        ``error`` when the retry policy says that retrying cannot help."""
+        ``error`` when the retry policy says that retrying cannot help. A server out of memory is no
+        failure: the session is replayed at once, and no attempt is counted."""
         failed = self._sessions[at.index] if at.index < len(self._sessions) else None
-        await self.manager.handle_failure(
+        verdict = await self.manager.handle_failure(
             error, failed.span.peer_id if failed is not None else None, at.attempt
         )
-        at.attempt += 1
+        at.attempt += verdict.wait is None
         if failed is None:  # routing itself failed
             logger.warning("Routing failed (%s); retrying", error)
             return
         span = failed.span
-        logger.warning(
-            "Server %s failed on blocks %d:%d (%s: %s); routing around it",
-            span.peer_id,
-            span.start,
-            span.end,
-            type(error).__name__,
-            error,
-        )
+        if verdict.wait is None:
+            logger.warning(
+                "Server %s failed on blocks %d:%d (%s: %s); routing around it",
+                span.peer_id,
+                span.start,
+                span.end,
+                type(error).__name__,
+                error,
+            )
+        else:
+            logger.info(
+                "Server %s had no room for this session on blocks %d:%d (%s); sending its %d positions again",
+                span.peer_id,
+                span.start,
+                span.end,
+                error_kind(str(error)),
+                failed.position,
+            )
         await self._replace(at, failed)
 
     async def _replace(self, at: ChainPosition, failed: ServerSession) -> None:
@@ -355,12 +422,13 @@ class InferenceSession:
         downstream = self._sessions[index + 1 :]
         if not downstream or any(session.position != self.position for session in downstream):
             return None
-        if self._sessions[index].resent_from is not None:  # its output is longer than the step
+        sender = self._sessions[index]
+        if sender.resent_from is not None or sender.resuming:  # its output is longer, or may be empty
             return None
         chain = []
         for sender, receiver in zip(self._sessions[index:], downstream, strict=False):
             peer = receiver.span.peer_id
-            if receiver.resent_from is not None:  # its input is longer than the step: the client sends it
+            if receiver.resent_from is not None or receiver.resuming:  # the client sends it its step
                 break
             if not self.manager.may_use(peer) or not self.manager.push_pays(sender.span, peer):
                 break

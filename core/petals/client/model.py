@@ -142,9 +142,12 @@ class DistributedModelMixin:
     def prompt_length(self) -> int:
         return self.config.pre_seq_len if self.config.tuning_mode in PTUNE_MODES else 0
 
-    def inference_session(self, max_length: int) -> contextlib.AbstractContextManager[InferenceSession]:
-        """``with model.inference_session(max_length=N) as session:`` — forward and generate continue it."""
-        return self.remote_blocks.inference_session(max_length=max_length + self.prompt_length)
+    def inference_session(
+        self, max_length: int, keep: bool = False
+    ) -> contextlib.AbstractContextManager[InferenceSession]:
+        """``with model.inference_session(max_length=N) as session:`` — forward and generate continue it.
+        With ``keep=True`` its servers keep it afterwards: ``generate(..., session=session)`` continues it."""
+        return self.remote_blocks.inference_session(max_length=max_length + self.prompt_length, keep=keep)
 
     def use_session(self, session: InferenceSession) -> contextlib.AbstractContextManager[InferenceSession]:
         return self.remote_blocks.use_session(session)

@@ -54,9 +54,10 @@ class RemoteSequential(nn.Module):
         return RemoteChainFunction.apply(hidden, prompts if prompts is not None else empty, self.manager)
 
     @contextlib.contextmanager
-    def inference_session(self, max_length: int) -> Iterator[InferenceSession]:
-        """Open a session for up to ``max_length`` positions; the module's forward steps it meanwhile."""
-        with self.use_session(InferenceSession(self.manager, max_length)) as session:
+    def inference_session(self, max_length: int, keep: bool = False) -> Iterator[InferenceSession]:
+        """Open a session for up to ``max_length`` positions; the module's forward steps it meanwhile.
+        ``keep``: its servers keep it when the block ends (``InferenceSession.close``)."""
+        with self.use_session(InferenceSession(self.manager, max_length, keep)) as session:
             yield session
 
     @contextlib.contextmanager

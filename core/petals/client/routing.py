@@ -32,6 +32,17 @@ server's own bug is not a flaky peer: when every server of some blocks answered 
 same error (the only one: twice), no ban can help, and ``ServerFailure`` quotes that error at once
 instead of waiting the bans out.
 
+Memory is nobody's failure. A server that gave a session's pages to an older session (``[preempted]``)
+is replayed the session's history at once, banned by nobody and without a backoff; a server with no
+room for a new session now (``[cache_full]``, which says about how long until there is) is not banned
+either: routing prefers servers with room for that long (``cache_waits``), and the only server of some
+blocks is waited for as long as it said. Sessions are opened with an ``alloc_timeout``
+(``server_session``), so they wait in the server's line instead of being refused. Neither counts against
+``max_retries``. A server's record announces its cache every minute or so: where no server has room for a
+session by their records, routing takes the servers that could hold it once their sessions end (their
+line is the wait), so neither a full swarm nor a stale record is reported as missing blocks; only a
+session no server could ever hold is.
+
 What the client measured of each server (``measurements.ServerMeasurements``) overrides what the
 server announced once it has samples: routes use the measured speed where it is lower, and inference
 steps wait for a server as long as its observed latency (or, for a server never timed, its announced
@@ -46,9 +57,11 @@ import itertools
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
@@ -107,20 +120,62 @@ MAX_BAN_SECONDS = 60.0
 SERVER_FAULTS = (TimeoutError, OSError, EOFError, StopAsyncIteration, P2PDaemonError, ServerMisbehaved)
 
 
-def judge_failure(error: BaseException, only_server: bool = False) -> tuple[bool, bool]:
-    """(retry?, ban the server?) for a failed request; see the module docstring. ``only_server``: no other
-    server holds some of the failed server's blocks (``RemoteSequenceManager.only_server``): it is waited
-    for, not banned."""
+class Verdict(NamedTuple):
+    """What ``judge_failure`` decides about a failed request."""
+
+    retry: bool
+    ban: bool
+    # seconds to wait before the retry, for a failure that is nobody's (memory): it does not count against
+    # max_retries; None for a failure, retried after the backoff
+    wait: float | None = None
+
+
+# a [cache_full] refusal says so for a session larger than the server's whole cache (a permanent refusal),
+# and how long until there is room for one that only has to wait
+NEVER_FITS = "whole budget"
+ROOM_IN = re.compile(r"expect room in about (\d+(?:\.\d+)?) s")
+# how long a server out of room is waited for (or avoided) when it names no time, and at most
+CACHE_RETRY_SECONDS = 1.0
+MAX_CACHE_WAIT = 30.0
+
+
+def cache_wait(error: BaseException) -> float | None:
+    """Seconds until ``error``'s server expects room, if ``error`` says it has none for the session now
+    (``[cache_full]``, or ``[preempted]``: it just gave the session's pages away); None for anything else,
+    a session that can never fit there included."""
+    if not isinstance(error, P2PHandlerError):
+        return None
+    text = str(error)
+    kind = error_kind(text)
+    if kind == "preempted":
+        return CACHE_RETRY_SECONDS
+    if kind != "cache_full" or NEVER_FITS in text:
+        return None
+    named = ROOM_IN.search(text)
+    return min(float(named.group(1)), MAX_CACHE_WAIT) if named else CACHE_RETRY_SECONDS
+
+
+def judge_failure(error: BaseException, only_server: bool = False) -> Verdict:
+    """Retry, ban the server, and how long to wait, for a failed request; see the module docstring.
+    ``only_server``: no other server holds some of the failed server's blocks
+    (``RemoteSequenceManager.only_server``): it is waited for, not banned."""
     if isinstance(error, P2PHandlerError):
         kind = error_kind(str(error))
         if kind == "bad_request":
-            return False, False
+            return Verdict(False, False)
+        if kind == "preempted":  # replayed at once: here, in the server's line, or where there is room
+            return Verdict(True, False, 0.0)
+        room = cache_wait(error)
+        if room is not None:  # waited for where it is alone, else routed to servers with room meanwhile
+            return Verdict(True, False, room if only_server else 0.0)
+        if kind == "cache_full":  # the session can never fit this server: another one, if there is any
+            return Verdict(not only_server, not only_server)
         own = kind != "not_served"  # untagged: a stock Petals server, judged as before
     elif isinstance(error, SERVER_FAULTS):
         own = True
     else:
-        return False, False
-    return True, own and not only_server
+        return Verdict(False, False)
+    return Verdict(True, own and not only_server)
 
 
 def ban_seconds(ban_timeout: float, failures: int) -> float:
@@ -166,6 +221,7 @@ class RemoteSequenceManager:
         self.pings: dict[PeerID, float] = {}
         self.bans: dict[PeerID, _Ban] = {}
         self.internal_errors: dict[PeerID, _InternalError] = {}
+        self.cache_waits: dict[PeerID, float] = {}  # servers out of room, and until when (monotonic)
         self.last_update = -float("inf")
         self.measurements = ServerMeasurements(config.min_step_timeout, config.request_timeout)
         self.suspects = Suspects()  # caught lying by ``verification``: banned for good
@@ -327,25 +383,37 @@ class RemoteSequenceManager:
         if self.config.max_retries is not None and attempt >= self.config.max_retries:
             raise error
 
-    async def handle_failure(self, error: BaseException, peer: PeerID | None, attempt: int) -> None:
+    async def handle_failure(self, error: BaseException, peer: PeerID | None, attempt: int) -> Verdict:
         """Raise ``error`` if retrying cannot fix it or retries are used up; else ban ``peer`` if the
-        failure was its own and another server holds its blocks, and wait the backoff before the caller's
-        next attempt."""
-        blamed = judge_failure(error)[1]  # only then does it matter whether the server is alone
-        retry, ban = judge_failure(error, only_server=blamed and await self._alone(peer))
-        if not retry:
+        failure was its own and another server holds its blocks, and wait the backoff (or, for a cache
+        wait, the time ``judge_failure`` says) before the caller's next attempt. Returns the verdict."""
+        # whether the server is alone matters only where it changes the verdict
+        alone = judge_failure(error, True) != judge_failure(error, False) and await self._alone(peer)
+        verdict = judge_failure(error, only_server=alone)
+        if not verdict.retry:
             if isinstance(error, P2PHandlerError):
                 raise RequestRefused(f"a server refused the request: {error}") from error
             raise error
         text = internal_error_text(error)
         if text is not None and peer is not None:
             self._note_internal_error(peer, text, error)
+        if verdict.wait is not None:  # memory: nobody's failure
+            self._note_cache_wait(peer, error)
+            await asyncio.sleep(verdict.wait * random.uniform(0.5, 1.0))
+            return verdict
         self.check_retries(attempt, error)
-        if ban:
+        if verdict.ban:
             self.on_request_failure(peer)
         else:
             self.last_update = -float("inf")  # e.g. the server moved: read the DHT again
         await asyncio.sleep(self.retry_delay(attempt))
+        return verdict
+
+    def _note_cache_wait(self, peer: PeerID | None, error: BaseException) -> None:
+        """Routing prefers other servers to ``peer`` until it expects room (``cache_wait``)."""
+        room = cache_wait(error)
+        if peer is not None and room is not None:
+            self.cache_waits[peer] = time.monotonic() + room
 
     def _note_internal_error(self, peer: PeerID, text: str, error: BaseException) -> None:
         """Remember ``peer``'s ``[internal]`` error; raise ``ServerFailure`` when every server of some of
@@ -401,7 +469,7 @@ class RemoteSequenceManager:
     ) -> list[RemoteSpanInfo]:
         spans = self.measurements.measured_spans(self.usable_spans())
         if cache_tokens_needed is not None:
-            spans = [span for span in spans if _has_cache_for(span, cache_tokens_needed)]
+            spans = self._with_room(spans, start, end, cache_tokens_needed)
         check_span(self.closed, start, end)
         self._check_coverage(spans, start, end, cache_tokens_needed)
         self._check_shared_groups(spans, start, end)
@@ -419,6 +487,29 @@ class RemoteSequenceManager:
                 " => ".join(f"{span.start}:{span.end} via …{str(span.peer_id)[-6:]}" for span in route),
             )
         return route
+
+    def _with_room(
+        self, spans: Sequence[RemoteSpanInfo], start: int, end: int, tokens: int
+    ) -> list[RemoteSpanInfo]:
+        """The spans whose servers have room for a session of ``tokens`` tokens by their records (and did
+        not just refuse one), and, for the blocks none of those holds, the servers that could hold it once
+        their sessions end: the session waits in their line (a record is up to a minute old, and a full
+        swarm frees memory as sessions end). A cache wait is never a missing block."""
+        now = time.monotonic()
+        roomy = [
+            span
+            for span in spans
+            if _has_cache_for(span, tokens) and self.cache_waits.get(span.peer_id, 0.0) <= now
+        ]
+        covered = {block for span in roomy for block in range(span.start, span.end)}
+        waiting = [
+            span
+            for span in spans
+            if span not in roomy
+            and _could_hold(span, tokens)
+            and any(block not in covered for block in range(max(span.start, start), min(span.end, end)))
+        ]
+        return roomy + waiting
 
     def _check_coverage(
         self, spans: Sequence[RemoteSpanInfo], start: int, end: int, cache_tokens_needed: int | None
@@ -445,9 +536,12 @@ class RemoteSequenceManager:
         if not hosting:
             reason = "no ONLINE server announces it in the DHT"
         elif cache_tokens_needed is not None and not any(
-            _has_cache_for(span, cache_tokens_needed) for span in with_adapter
+            _could_hold(span, cache_tokens_needed) for span in with_adapter
         ):
-            reason = f"no server has KV cache left for a session of {cache_tokens_needed} tokens"
+            reason = (
+                f"no server has KV cache left for a session of {cache_tokens_needed} tokens, nor would have "
+                "once its sessions end (use a shorter max_length)"
+            )
         elif all(self._is_unreachable(span.peer_id) for span in with_adapter):
             reason = (
                 "none of its servers answered a ping: they are unreachable from here, or refuse this "
@@ -572,6 +666,16 @@ def _has_cache_for(span: RemoteSpanInfo, tokens: int) -> bool:
     """Petals' rule: keys and values are counted separately in ``cache_tokens_left``."""
     left = span.server_info.cache_tokens_left
     return left is None or tokens * 2 * span.length <= left
+
+
+def _could_hold(span: RemoteSpanInfo, tokens: int) -> bool:
+    """Whether ``span``'s server could hold a session of ``tokens`` tokens once its sessions end, as far as
+    its record tells: a record announced while no session was live states its whole cache; any other is
+    given the benefit of the doubt (the server itself refuses a session larger than its whole cache)."""
+    pages = span.server_info.cache_pages
+    if pages is None or pages.get("live", 0) > 0:
+        return True
+    return _has_cache_for(span, tokens)
 
 
 def _peer_set(peers: Sequence[str | PeerID] | None) -> set[PeerID] | None:

@@ -11,6 +11,18 @@ its last few steps (``petals.kv_cache.states``), while speculative decoding roll
 its last step; such a server is rewound to the latest start it keeps, and the next step sends it the
 positions from there again, from the history, in front of the new ones: no extra round trip, and its
 answer for those positions is dropped. Servers of attention alone rewind anywhere and see no change.
+
+A session opens with an ``alloc_timeout`` as long as the step deadline its server has earned: a server
+with no room for it yet keeps it in its line that long rather than refusing it, and the client waits
+that much longer for its first answer (an answer that took longer than the step itself may says nothing of
+the server's speed, and is not measured).
+
+A session closed with ``keep`` (servers of ours only: their records announce ``cache_pages``) stays on
+its server under a key, its pages lent until it is continued; its next step reopens it (``resume``: the
+position the step starts at), once the server has ended the stream it was closed on (then it is kept). The server answers how many positions it still holds; where that is less
+(it lent the pages to a session that needed them, or a server kept nothing), its answer is dropped
+and the next step sends it the positions from there, from the history. Without a server of ours, a
+session closed with ``keep`` is sent its whole history again with its next step.
 """
 
 from __future__ import annotations
@@ -58,6 +70,9 @@ class ServerSession:
         self._opening_sent = False  # the first request carries the session's parameters
         self._unanswered = 0  # answers to skip before the next step's: the empty opening step's
         self._open_error: BaseException | None = None  # from opening ahead, raised by the first step
+        self._alloc_wait = 0.0  # the opening's time in the server's line, waited for with its first answer
+        self.kept_as: str | None = None  # the key its server keeps it under (closed with keep)
+        self._closing: asyncio.Task | None = None  # the end of the stream it was kept by, drained
 
     async def open_ahead(self, batch_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         """Open the stream and the server's session now, with an empty step (legal in Petals' protocol:
@@ -80,9 +95,22 @@ class ServerSession:
             self._history = [torch.cat(self._history, dim=1)]
         return self._history[0] if self._history else None
 
-    async def _request_stream(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while (request := await self._requests.get()) is not None:
+    @staticmethod
+    async def _request_stream(
+        requests: asyncio.Queue[runtime_pb2.ExpertRequest | None],
+    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while (request := await requests.get()) is not None:
             yield request
+
+    @property
+    def resuming(self) -> bool:
+        """Whether its next step reopens the session its server keeps (``kept_as``)."""
+        return self.kept_as is not None and not self._opening_sent
+
+    @property
+    def step_start(self) -> int:
+        """The position the next step's first sent position has (before a rollback's resend, if any)."""
+        return self._start_from if self._start_from is not None else self.position
 
     async def step(
         self,
@@ -91,13 +119,15 @@ class ServerSession:
         next_servers: list[list[Any]] | None,
         trace: StepTrace = NO_TRACE,
         name: str = "server",
-    ) -> torch.Tensor:
-        """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``."""
+    ) -> torch.Tensor | None:
+        """One step on this server: ``tensors`` are its ``(hidden, prompts, hypo_ids)``. None where it
+        reopened a kept session of which the server holds less than the step starts after: the step is to
+        be sent again (``resent_from`` then says from where)."""
         started = trace.now()
         hidden = tensors[0]
         if self.resent_from is not None:
             tensors = (torch.cat([self.history[:, self.resent_from :], hidden], dim=1), *tensors[1:])
-        sent = tensors[0]
+        sent, resuming = tensors[0], self.resuming
         request = self._request(tensors, step_id, next_servers, trace.enabled)
         started = trace.add_since("client: serialization", started)
         response = await self._exchange(request, tokens=sent.shape[0] * sent.shape[1])
@@ -105,6 +135,8 @@ class ServerSession:
         if trace.enabled:
             self._record_server_trace(response, trace, name)
             started = trace.now()
+        if resuming and not self._resumed(response):
+            return None
         output = self._accept(response, sent, hidden.shape[1])
         trace.add_since("client: serialization", started)
         return output.to(hidden.dtype)
@@ -144,8 +176,16 @@ class ServerSession:
         if not self._opening_sent:
             self._opening_sent = True
             config = self.manager.config
-            metadata.update(max_length=self.max_length, points=0.0, active_adapter=config.active_adapter)
-        if self._start_from is not None:
+            self._alloc_wait = self._deadline(hidden.shape[0] * max(hidden.shape[1], 1))
+            metadata.update(
+                max_length=self.max_length,
+                points=0.0,
+                active_adapter=config.active_adapter,
+                alloc_timeout=self._alloc_wait,
+            )
+            if self.kept_as is not None:  # its first step starts where the kept session is to continue
+                metadata["resume"] = {"key": self.kept_as, "position": self.step_start}
+        if self._start_from is not None and "resume" not in metadata:
             metadata["start_from_position"] = self._start_from
         if next_servers:
             metadata["next_servers"] = next_servers
@@ -162,17 +202,26 @@ class ServerSession:
         if self._open_error is not None:
             error, self._open_error = self._open_error, None
             raise error
+        if self._closing is not None:  # its server ended the kept session before it is continued
+            closing, self._closing = self._closing, None
+            await closing
         await self._open_stream()
-        measurements = self.manager.measurements
-        sent = time.perf_counter()
+        sent, deadline = time.perf_counter(), self._deadline(tokens)
         self._requests.put_nowait(request)
-        async with asyncio.timeout(measurements.deadline(self.span, tokens, self._replaceable())):
+        async with asyncio.timeout(deadline + self._alloc_wait):  # the opening may wait in the server's line
             while self._unanswered:  # the opening step's answer comes first: nothing to read in it
                 await anext(self._responses)
                 self._unanswered -= 1
             response = await anext(self._responses)
-        measurements.observe(self.span, tokens, time.perf_counter() - sent)
+        self._alloc_wait, seconds = 0.0, time.perf_counter() - sent
+        if seconds <= deadline:  # longer: it waited in the server's line, which says nothing of its speed
+            self.manager.measurements.observe(self.span, tokens, seconds)
         return response
+
+    def _deadline(self, tokens: int) -> float:
+        """How long a step of ``tokens`` tokens may take here (also how long the opening may wait in the
+        server's line for pages)."""
+        return self.manager.measurements.deadline(self.span, tokens, self._replaceable())
 
     def _replaceable(self) -> bool:
         """Whether other servers that answered a ping (banned ones too: a ban ends, a new server may
@@ -186,9 +235,30 @@ class ServerSession:
     async def _open_stream(self) -> None:
         if self._responses is None:
             self._responses = await asyncio.wait_for(
-                open_inference_stream(self.manager.network.p2p, self.span.peer_id, self._request_stream()),
+                open_inference_stream(
+                    self.manager.network.p2p, self.span.peer_id, self._request_stream(self._requests)
+                ),
                 self.manager.config.connect_timeout,
             )
+
+    def _resumed(self, response: runtime_pb2.ExpertResponse) -> bool:
+        """Whether the server continued its kept session from where the step starts (its first answer's
+        ``position``). If it holds less (none: a server that kept nothing), the next step starts from
+        what it holds, and this answer is dropped (a stock server computed it at the wrong positions)."""
+        asked = self.step_start
+        try:
+            held = read_metadata(response.metadata).get("position", 0) if response.metadata else 0
+        except ValueError:
+            held = None
+        if type(held) is not int or not 0 <= held <= asked:
+            raise ServerMisbehaved(
+                f"server {self.span.peer_id} resumed a session at position {held!r}, asked for {asked}"
+            )
+        if held == asked:
+            return True
+        self._start_from = held
+        self._step_starts.forget_from(held)
+        return False
 
     def _accept(self, response: runtime_pb2.ExpertResponse, sent: torch.Tensor, new: int) -> torch.Tensor:
         """The server's output for the step's ``new`` positions, the last of ``sent``, checked; the step now
@@ -243,19 +313,35 @@ class ServerSession:
     def _steps_kept(self) -> int | None:
         return steps_kept(self.manager.config, self.span.start, self.span.end)
 
-    async def close(self) -> None:
-        """End the stream politely (an empty request) without waiting for the server's end of it.
+    async def close(self, keep: str | None = None) -> None:
+        """End the stream politely (an empty request) without waiting for the server's end of it; with
+        ``keep``, ask the server to keep the session under that key, for the next step to reopen it.
 
-        The server frees the session's cache when it reads the end of the stream; waiting for its
-        answer would cost the caller a round trip per generation, so the answer is drained in the
+        The server frees the session's cache (or keeps it) when it reads the end of the stream; waiting
+        for its answer would cost the caller a round trip per generation, so the answer is drained in the
         background (for at most a second: a dead server never answers).
         """
         if self._responses is None:
             return
-        self._requests.put_nowait(runtime_pb2.ExpertRequest())
+        kept = keep if keep is not None and self.span.server_info.cache_pages is not None else None
+        metadata = write_metadata({"keep": kept}) if kept is not None else b""
+        self._requests.put_nowait(runtime_pb2.ExpertRequest(metadata=metadata))
         self._requests.put_nowait(None)
         responses, self._responses = self._responses, None
-        spawn(_drain_briefly(responses))
+        closing = spawn(_drain_briefly(responses))
+        if keep is not None:
+            self._reopen_later(kept)
+            self._closing = closing
+
+    def _reopen_later(self, kept: str | None) -> None:
+        """Closed to be continued: the next step opens a new stream, reopening the kept session (or, with
+        nothing kept, sending the whole history again)."""
+        self.kept_as, self.session_id = kept, str(uuid.uuid4())
+        self._requests = asyncio.Queue()
+        self._opening_sent, self._unanswered, self._open_error = False, 0, None
+        if kept is None and self.position > 0:
+            self._start_from = 0
+            self._step_starts.forget_from(0)
 
 
 class StepStarts:
@@ -269,6 +355,10 @@ class StepStarts:
         """The server computed a step from ``start`` (a state at 0 is zeros, not a copy it keeps)."""
         if start > 0:
             self._starts.append(start)
+
+    def forget_from(self, position: int) -> None:
+        """The server went back to ``position`` on its own (a kept session it holds less of)."""
+        self._starts = [start for start in self._starts if start < position]
 
     def rewind_point(self, position: int, kept: int) -> int:
         """The latest position up to ``position`` that a server keeping its last ``kept`` steps can rewind
@@ -286,18 +376,25 @@ def steps_kept(config: PretrainedConfig, start: int, end: int) -> int | None:
     return min((kept for kept in steps if kept is not None), default=None)
 
 
-async def close_all(sessions: list[ServerSession]) -> None:
-    await asyncio.gather(*(session.close() for session in sessions))
+async def close_all(sessions: list[ServerSession], keep: str | None = None) -> None:
+    """Close ``sessions``; with ``keep``, each server keeps its own under that key and its blocks."""
+    await asyncio.gather(
+        *(
+            session.close(None if keep is None else f"{keep}:{session.span.start}:{session.span.end}")
+            for session in sessions
+        )
+    )
 
 
 _BACKGROUND: set[asyncio.Task] = set()
 
 
-def spawn(coroutine: Awaitable) -> None:
+def spawn(coroutine: Awaitable) -> asyncio.Future:
     """Run ``coroutine`` in the background, referenced until it ends (the loop keeps only weak references)."""
     task = asyncio.ensure_future(coroutine)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 async def _drain_briefly(responses: AsyncIterator) -> None:

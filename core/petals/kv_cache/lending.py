@@ -233,6 +233,9 @@ class Lender:
             arena.kept_pages += count
         lease.state = state
         self._lent[lease] = None
+        for arena in lease.pages:  # lent pages are available: sessions waiting for admission look again
+            for callback in arena.on_free:
+                callback()
 
     def _unlend(self, lease: Lease, state: str) -> None:
         for arena, count in lease.pages.items():

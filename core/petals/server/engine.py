@@ -24,6 +24,7 @@ Tests drive both halves by hand on a fake clock (``tests/test_server_engine.py``
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import threading
@@ -61,6 +62,7 @@ from petals.tracing import NO_TRACE, StepTrace
 from petals.wire_errors import WireError
 
 MAX_SHORT_INFERENCE_TOKENS = 128  # steps up to this many tokens run all blocks as one compute task
+KEEPING_SECONDS = 5.0  # how long a session continuing a kept one waits for it to be kept, at most
 PREFILL_CHUNK_TOKENS = 512  # longer steps run in chunks of this many tokens, each through every block
 
 # what a job yields (a task to run) and, in the end, returns (the request's result)
@@ -111,6 +113,7 @@ class ServingEngine:
         self.blocks, self.budget, self.limits, self.scheduler = blocks, budget, limits, scheduler
         self.dht_prefix, self.metrics, self.clock = dht_prefix, metrics, clock
         self.sessions = SessionRegistry()
+        self._keeping: dict[tuple[str, str], Future] = {}  # sessions closed with keep, not kept yet
         self.events: collections.Counter[str] = collections.Counter(dict.fromkeys(EVENTS, 0))
         self.tokens_processed = 0  # token-blocks: a token through one block counts once
         self.busy_seconds = 0.0
@@ -162,6 +165,8 @@ class ServingEngine:
         self.sessions.check_new(session_id)
         batch_size = args.hidden.shape[0]
         span = (tuple((backend.uid, backend.adapter) for backend in backends), batch_size)
+        if resume is not None:
+            await self._kept_by_now(peer, resume.key)
         session = self._resumed(session_id, backends, max_length, span, peer, resume)
         if session is None:
             alloc_timeout = min(metadata.get("alloc_timeout") or 0.0, self.limits.request_timeout)
@@ -185,6 +190,13 @@ class ServingEngine:
             session.end("refused")
             raise
         return session, args
+
+    async def _kept_by_now(self, peer: str, key: str) -> None:
+        """Wait (briefly) until the session the client closed with ``key`` is kept: its close and the
+        session continuing it come on different streams, and keeping it waits for the compute thread."""
+        ending = self._keeping.get((peer, key))
+        if ending is not None:
+            await asyncio.wait({asyncio.wrap_future(ending)}, timeout=KEEPING_SECONDS)
 
     def _resumed(
         self,
@@ -259,7 +271,13 @@ class ServingEngine:
         self.sessions.remove(session)
         with self.changed:
             self.scheduler.forget(session.session_id)
-        self._submit(_end_job(session, reason, keep))
+        ending = self._submit(_end_job(session, reason, keep))
+        if keep is not None:  # a session continuing it waits for this (``_kept_by_now``)
+            key = (session.peer, keep)
+            self._keeping[key] = ending
+            ending.add_done_callback(
+                lambda done: self._keeping.pop(key, None) if self._keeping.get(key) is done else None
+            )
 
     def info(self) -> dict[str, Any]:
         """What ``rpc_info`` reports about this server's state and counters."""
