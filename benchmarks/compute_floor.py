@@ -123,7 +123,7 @@ def main() -> None:
                 started = time.perf_counter()
                 run_decode_steps([DecodeStep(session, hidden, None, None)])
                 seconds += time.perf_counter() - started
-            session.release()
+            session.end("measured")
             return seconds
 
         all_threads = torch.get_num_threads()

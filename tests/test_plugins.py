@@ -111,9 +111,10 @@ def test_no_plugins_gives_a_clear_error(tmp_path):
         env={**os.environ, "PETALS_PLUGINS": ""},
     )
     assert failed.returncode != 0
-    assert "model type 'llama' has no installed plugin; installed: none" in failed.stderr
-    # the hint names no package that may not exist (model types and distribution names differ)
-    assert "Install a plugin that registers 'llama'" in failed.stderr and "pip install" not in failed.stderr
+    # the plugins are installed, only not loaded: the error says which setting leaves each out
+    assert "model type 'llama' has no loaded plugin; loaded: none; installed but not loaded:" in failed.stderr
+    assert "'llama' (PETALS_PLUGINS does not name it)" in failed.stderr
+    assert "change PETALS_DISABLE_PLUGINS / PETALS_PLUGINS" in failed.stderr and "pip install" not in failed.stderr
 
 
 def test_blocked_plugin_names_the_remaining_ones(tmp_path):
@@ -126,12 +127,12 @@ def test_blocked_plugin_names_the_remaining_ones(tmp_path):
         env={**os.environ, "PETALS_DISABLE_PLUGINS": "llama"},
     )
     assert (
-        "model type 'llama' has no installed plugin; installed: bloom, cohere2, deepseek_v2, deepseek_v3, dots1, "
+        "model type 'llama' has no loaded plugin; loaded: bloom, cohere2, deepseek_v2, deepseek_v3, dots1, "
         "ernie4_5_moe, exaone4, falcon, falcon_h1, gemma, gemma2, gemma3_text, gemma4_text, glm4, glm4_moe, "
         "glm_moe_dsa, gpt_oss, granite, granitemoe, kimi_linear, lfm2, minimax_m2, ministral3, mistral, mixtral, "
         "olmo2, olmo3, olmoe, petals_template, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, "
         "qwen3_5_text, qwen3_moe, "
-        "qwen3_next" in failed.stderr
+        "qwen3_next; installed but not loaded: 'llama' (PETALS_DISABLE_PLUGINS names it)" in failed.stderr
     )
 
 

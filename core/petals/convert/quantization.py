@@ -57,8 +57,8 @@ def nbytes(quant_type: QuantType | str, shape: Sequence[int]) -> int:
 
 def is_router(module: nn.Module) -> bool:
     """An MoE router (transformers' ``*Router`` classes): small, and kept exact, as transformers keeps
-    several families' in float32. Some are ``nn.Linear`` subclasses whose forward also routes (Llama 4's,
-    PhiMoE's), which a quantized linear put in their place would not do."""
+    several families' in float32. Some are ``nn.Linear`` subclasses whose forward also routes,
+    which a quantized linear put in their place would not do."""
     return type(module).__name__.endswith("Router")
 
 

@@ -309,7 +309,7 @@ def _row_layout(
             result = processor.process(
                 weights=numbers, name=stored.name, tensor_key_mapping=to_hf, parsed_parameters=parsed
             )
-        except (ValueError, IndexError, RuntimeError):  # it needs the rows' width (bloom splits q, k, v)
+        except (ValueError, IndexError, RuntimeError):  # it needs the rows' width (fused q, k, v)
             return None
         if result.name in to_hf and result.weights is not None:
             parsed["tensors"][to_hf[result.name]] = result.weights

@@ -3,7 +3,7 @@ decoder per type turning blocks (uint8 ``[blocks, bytes per block]``) into small
 float32 scales (and offsets) per group of values, ``values = scales * codes + offsets``: vectorised, on
 whatever device the blocks are, no numpy.
 
-Each decoder computes what gguf's numpy reference (``gguf.quants``, a transcription of llama.cpp's
+Each decoder computes what gguf's numpy reference (``gguf.quants``, a transcription of the GGML C library's
 ``dequantize_row_*``) computes, operation for operation in float32, so the values are bit-identical to
 it; a dtype other than float32 is that result rounded once. Servers dequantize per forward with these
 and ``--weights dequantized`` at load with the same ones, so both compute the same weights. Types without

@@ -61,7 +61,7 @@ class ServerSpec:
     region: str
 
 
-# capacities typed for the default 80-block model (a 70B Llama); with a model, planned from memory_gib
+# capacities typed for the default 80-block model (a 70B dense model); with a model, planned from memory_gib
 DEFAULT_GPUS = tuple(
     GpuKind(
         name=name,
