@@ -23,6 +23,14 @@ only:
    their caches in pages of one shared pool per block, run their steps merged into one forward per
    block, and each session's outputs equal its own solo run (including a reorder and a rewind).
 
+``check_structure(config, workdir)`` runs the checks that need no weights (1 to 3 without the widths a
+layer really caches, and every block built on the meta device), so a plugin author can try a real model's
+config: it makes no model and no weights, and opens no cache.
+
+Every cache the kit opens is sized in bytes from what its checks run, never in pages of the widest kind:
+a standalone cache holds its session's batch and length, and the arena of the batching check gives each
+block a stretch of as many pages (of the blocks' shared page bytes) as its sessions' sequences take there.
+
 On a mismatch the message names the attention and experts implementations of the blocks and of the
 reference model: a block that computes with another implementation than transformers' full model
 (sdpa where the model runs eager, say) differs by more than float rounding.
@@ -43,7 +51,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from petals.auto import AutoDistributedConfig
-from petals.block import cache_spec, shared_kv_kwargs
+from petals.block import cache_spec, make_block, shared_kv_kwargs
 from petals.config import DistributedConfigMixin, validate_dht_prefix
 from petals.kv_cache import (
     PAGE_TOKENS,
@@ -119,29 +127,11 @@ def check_family(
     schedule: StepSchedule = StepSchedule(),
 ) -> ConformanceReport:
     """Run every conformance check on a tiny config of a family; raise AssertionError on failure."""
-    family = get_plugin_manager().family(config.model_type)
-    assert issubclass(family.config_class, DistributedConfigMixin), (
-        f"{family.config_class.__name__} must mix in petals.config.DistributedConfigMixin"
-    )
-    assert issubclass(family.config_class, type(config)), (
-        f"{family.config_class.__name__} must extend {type(config).__name__}"
-    )
-
+    _check_registered(config)
     path = Path(workdir) / folder_name
     reference = _save_random_model(config, path, schedule.seed)
-    distributed = AutoDistributedConfig.from_pretrained(path)
-    expected_prefix = (
-        get_plugin_manager().family_hooks(distributed).dht_prefix(model_id=folder_name, config=distributed)
-    )
-    assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
-    assert distributed.dht_prefix == validate_dht_prefix(expected_prefix)
-    assert (
-        AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
-    )
-
-    specs = [_kit_spec(cache_spec(distributed, index)) for index in range(config.num_hidden_layers)]
-    for index, spec in enumerate(specs):
-        manager_for(spec, f"{config.model_type} block {index}")
+    distributed = _check_dispatch(config, path, folder_name)
+    specs = _served_specs(distributed)
     attention = [spec.attention if isinstance(spec, HybridSpec) else spec for spec in specs]
     windows = [spec.window for spec in attention if isinstance(spec, SlidingWindowSpec)]
     if windows:
@@ -152,6 +142,64 @@ def check_family(
     _check_exactness(reference, distributed, blocks, specs, report, schedule)
     _check_merged_sessions(distributed, blocks, specs, report, schedule)
     return report
+
+
+def check_structure(
+    config: PretrainedConfig, workdir: str | Path, *, folder_name: str = "Tiny-Model-0.1"
+) -> ConformanceReport:
+    """The checks that need no weights, on a config of any size (a real model's): registration, prefix
+    rules, each block's cache spec a kind the server serves (with the page an arena would give it), and
+    each block built on the meta device, as a server builds it before it loads the block's weights.
+
+    Only ``config.json`` is written under ``workdir``: no model, no weights, no cache. Whether the layers
+    cache the widths their specs say, exactness and batching need a tiny config's ``check_family``."""
+    _check_registered(config)
+    path = Path(workdir) / folder_name
+    config.save_pretrained(path)
+    distributed = _check_dispatch(config, path, folder_name)
+    specs = _served_specs(distributed)
+    assert _page_nbytes(specs) > 0
+    with torch.device("meta"):  # as load_block builds a block: its tensors take no memory
+        for index in range(config.num_hidden_layers):
+            block = make_block(distributed, index)
+            assert isinstance(block, distributed.block_class), f"block {index}: built {type(block)}"
+            built = [name for name, tensor in block.named_parameters() if not tensor.is_meta]
+            assert not built, f"block {index} made its parameters {built} outside the meta device"
+    return ConformanceReport(config.model_type, distributed.dht_prefix, specs)
+
+
+def _check_registered(config: PretrainedConfig) -> None:
+    family = get_plugin_manager().family(config.model_type)
+    assert issubclass(family.config_class, DistributedConfigMixin), (
+        f"{family.config_class.__name__} must mix in petals.config.DistributedConfigMixin"
+    )
+    assert issubclass(family.config_class, type(config)), (
+        f"{family.config_class.__name__} must extend {type(config).__name__}"
+    )
+
+
+def _check_dispatch(config: PretrainedConfig, path: Path, folder_name: str) -> PretrainedConfig:
+    """The saved directory's config, dispatched to the family's class with a prefix from its folder name
+    (an explicit one wins)."""
+    family = get_plugin_manager().family(config.model_type)
+    distributed = AutoDistributedConfig.from_pretrained(path)
+    expected_prefix = (
+        get_plugin_manager().family_hooks(distributed).dht_prefix(model_id=folder_name, config=distributed)
+    )
+    assert type(distributed) is family.config_class, f"dispatched to {type(distributed)}"
+    assert distributed.dht_prefix == validate_dht_prefix(expected_prefix)
+    assert (
+        AutoDistributedConfig.from_pretrained(path, dht_prefix="chosen-prefix").dht_prefix == "chosen-prefix"
+    )
+    return distributed
+
+
+def _served_specs(config: PretrainedConfig) -> list[CacheSpec]:
+    """Each block's cache spec (as the kit keeps windows: ``_kit_spec``), a kind the server serves."""
+    specs = [_kit_spec(cache_spec(config, index)) for index in range(config.num_hidden_layers)]
+    for index, spec in enumerate(specs):
+        manager_for(spec, f"{config.model_type} block {index}")
+    return specs
 
 
 def _kit_spec(spec: CacheSpec) -> CacheSpec:
@@ -402,19 +450,14 @@ def _check_merged_sessions(
             caches = _open_caches(specs, batch_size, max_length)
             solo.append({tick: _run_step(blocks, [caches], [step]) for tick, step in steps.items()})
 
-        arena, pools = _pools_on_one_arena(specs)
+        batch_sizes = [next(iter(steps.values())).hidden.shape[0] for steps in sessions]
+        arena, pools = _pools_on_one_arena(specs, batch_sizes, max_length)
         caches = [
             [
-                open_cache(
-                    pool.spec,
-                    next(iter(steps.values())).hidden.shape[0],
-                    max_length,
-                    pool=pool,
-                    layer_index=i,
-                )
+                open_cache(pool.spec, batch_size, max_length, pool=pool, layer_index=i)
                 for i, pool in enumerate(pools)
             ]
-            for steps in sessions
+            for batch_size in batch_sizes
         ]
         worst = 0.0
         for tick in range(max(max(steps) for steps in sessions) + 1):
@@ -438,19 +481,51 @@ def _check_merged_sessions(
         assert arena.free_pages == arena.num_pages, "released caches kept pages"
 
 
-def _pools_on_one_arena(specs: list[CacheSpec]) -> tuple[PageArena, list]:
+# the batching check's pages: 3 tokens of the widest keys and values, so that steps cross page edges
+MERGED_PAGE_TOKENS = 3
+
+
+def _page_nbytes(specs: list[CacheSpec]) -> int:
+    """The page of an arena that the blocks of ``specs`` share (``page_nbytes_for`` their pages' demands)."""
+    return page_nbytes_for(
+        [
+            demand
+            for spec in specs
+            for demand in manager_for(spec).page_demand(spec, torch.float32, MERGED_PAGE_TOKENS)
+        ]
+    )
+
+
+def _pools_on_one_arena(
+    specs: list[CacheSpec], batch_sizes: list[int], max_length: int
+) -> tuple[PageArena, list]:
     """The blocks' pools on one arena of equal-byte pages, as a server keeps them: small pages (3 tokens of
-    the widest keys and values: steps cross page edges, unless a state's page is larger), room for every
-    session's sequences of every kind."""
-    demands = [demand for spec in specs for demand in manager_for(spec).page_demand(spec, torch.float32, 3)]
-    arena = PageArena(700 * len(specs), page_nbytes_for(demands))
-    pools = [
-        manager_for(spec).make_pool(
-            spec, 0, 0, torch.float32, "cpu", arena=arena, home=index * arena.num_pages // len(specs)
-        )
-        for index, spec in enumerate(specs)
+    the widest keys and values: steps cross page edges, unless a state's page is larger), each block's in a
+    stretch of its own where it looks for them first, of as many pages as the sessions (``batch_sizes``
+    sequences, at most ``max_length`` tokens each) ever take there: sized in bytes by what the check runs."""
+    page_nbytes = _page_nbytes(specs)
+    layout = _make_pools(specs, PageArena(1, page_nbytes), [0] * len(specs))  # the tokens a page holds
+    stretches = [sum(batch_sizes) * _pages_per_sequence(pool, max_length) for pool in layout]
+    arena = PageArena(max(1, sum(stretches)), page_nbytes)
+    return arena, _make_pools(specs, arena, [sum(stretches[:index]) for index in range(len(specs))])
+
+
+def _make_pools(specs: list[CacheSpec], arena: PageArena, homes: list[int]) -> list:
+    return [
+        manager_for(spec).make_pool(spec, 0, 0, torch.float32, "cpu", arena=arena, home=home)
+        for spec, home in zip(specs, homes, strict=True)
     ]
-    return arena, pools
+
+
+def _pages_per_sequence(pool, length: int) -> int:
+    """The pages one sequence of ``length`` tokens takes of ``pool``'s parts over the check: each page of its
+    tokens (a window gives pages back, and takes no more than that), and, where its pages grow with its
+    tokens, one more, taken again after a rewind (a state's one page is kept). A pool never looks past its
+    stretch then: its pages lie as they would in an arena of any size."""
+    return sum(
+        max(part.pages_for(length), part.max_pages(length)) + (part.pages_for(length) > part.pages_for(0))
+        for part in pool.parts
+    )
 
 
 def _run_step(blocks: list[torch.nn.Module], session_caches: list[list], steps: list[_Step]) -> torch.Tensor:
