@@ -4,6 +4,8 @@ from benchmarks import (
     api_overhead,
     cache_budget,
     cache_kinds,
+    cache_pressure,
+    chat_turns,
     concurrent_sessions,
     deepseek_latent,
     forward_throughput,
@@ -31,6 +33,8 @@ SUITE = {
     **forward_throughput.BENCHMARKS,
     **tune.BENCHMARKS,  # on forward_throughput's swarm
     "latency_smollm2_1t": generation_latency.BENCHMARKS["latency_smollm2_1t"],
+    **chat_turns.BENCHMARKS,  # a swarm of its own, behind proxies
+    **cache_pressure.BENCHMARKS,  # a server of its own whose cache holds 3 of its 8 sessions
     **server_memory.BENCHMARKS,
     **wan_latency.BENCHMARKS,
     **speculative.BENCHMARKS,
