@@ -4,11 +4,10 @@
 
 Bytes: for DeepSeek V3's published sizes (hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank
 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128; nothing is allocated), what one
-layer's cache holds per token: the latent, as the deepseek plugin's ``cache_spec`` hook describes it
-(one head: the 512-value compressed latent as keys, the 64-value shared rope key as values), against
-the expanded keys and values, as core's default spec describes the same layer without the hook
-(128 heads x (192 key + 128 value) values: what the original Petals, or transformers before it cached
-the latent, kept).
+layer's cache holds per token: the latent, as core's default ``cache_spec`` reads it from the
+attention (one head: the 512-value compressed latent as keys, the 64-value shared rope key as values),
+against the expanded keys and values the attention computes from it (128 heads x (192 key + 128 value)
+values: what the original Petals, or transformers before it cached the latent, kept).
 
 Time: one layer with V3's head dims and rope (yarn, interleaved) but 16 heads and hidden 2048
 (``--quick``: 2 heads, hidden 256), float32, decodes one token at a few context lengths in three
@@ -55,7 +54,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from benchmarks.harness import Check, Context, Result, _with_threads, interleaved, main, summary
 from petals.block import cache_spec, full_model_implementations
-from petals.kv_cache import PAGE_TOKENS, CacheSpec, PagePool, describe_block, open_cache
+from petals.kv_cache import PAGE_TOKENS, CacheSpec, FullAttentionSpec, PagePool, open_cache
 from petals.plugins import get_plugin_manager
 
 # DeepSeek V3's (and R1's, Kimi K2's attention) published sizes
@@ -116,17 +115,18 @@ def deepseek_config(**sizes) -> PretrainedConfig:
 
 
 def bytes_per_token() -> tuple[CacheSpec, CacheSpec, list[str]]:
-    """DeepSeek V3's latent spec (the plugin's hook) and expanded spec (core's default), and their table."""
+    """DeepSeek V3's latent spec (what servers cache) and expanded spec (its heads' keys and values), and
+    their table."""
     config = deepseek_config(**V3_ATTENTION)
-    latent, expanded = cache_spec(config, 3), describe_block(config, 3)
+    latent = cache_spec(config, 3)
     heads, key, value = config.num_attention_heads, config.qk_head_dim, config.v_head_dim
-    if expanded.num_kv_heads * (expanded.key_dim + expanded.value_dim) != heads * (key + value):
-        raise AssertionError(
-            f"core's default spec {expanded} is not {heads} heads x ({key} + {value}) values"
-        )
+    expanded = FullAttentionSpec(num_kv_heads=heads, key_dim=key, value_dim=value, num_query_heads=heads)
+    widths = (latent.num_kv_heads, latent.key_dim, latent.value_dim)
+    if widths != (1, config.kv_lora_rank, config.qk_rope_head_dim):
+        raise AssertionError(f"the served spec {latent} is not one head of the latent and the rope key")
     rows = [
-        ("latent (cache_spec hook)", latent),
-        ("expanded (core's default spec)", expanded),
+        ("latent (served: cache_spec)", latent),
+        ("expanded (heads' keys, values)", expanded),
     ]
     lines = [
         f"DeepSeek V3 (hidden {config.hidden_size}, {heads} heads, q_lora {config.q_lora_rank}, kv_lora "

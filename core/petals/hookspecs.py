@@ -58,10 +58,11 @@ def cache_spec(config: PretrainedConfig, block_index: int) -> CacheSpec | None:
     Core's default reads the layer's kind from transformers (``get_layer_types_and_kwargs``: full,
     sliding or chunked attention, linear attention, ...) and its sizes from the config (key/value
     heads ``num_attention_heads // num_key_value_groups``; key and value widths ``qk_head_dim`` /
-    ``v_head_dim`` / ``head_dim``), or from the projections of the config's ``attn_class`` where it
-    has ``k_proj`` and ``v_proj``. Implement it only where a layer caches something else than what
-    its transformers layer hands the cache (a latent instead of expanded keys and values, say), or
-    where its sizes differ by layer in a way the default does not read.
+    ``v_head_dim`` / ``head_dim``), or from the config's ``attn_class`` where it has ``k_proj`` and
+    ``v_proj``, or a multi-head latent attention's ``kv_a_proj_with_mqa`` (its latent and rope key:
+    ``petals.kv_cache.specs.latent_widths``). Implement it only where a layer caches something else
+    than what its transformers layer hands the cache, or where its sizes differ by layer in a way the
+    default does not read.
     Servers budget memory with it, and the kit checks it against what a block really caches.
     """
 

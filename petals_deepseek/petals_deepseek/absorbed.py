@@ -1,13 +1,13 @@
 """DeepSeek's latent attention computed on the cached latent itself, without expanding it per head.
 
-Why this exists: the plugin caches DeepSeek's compressed latent (``kv_lora_rank`` values) and shared
-rope key (``qk_rope_head_dim`` values) per token, 71 times less than expanded keys and values for V3
-(see ``plugin.py``). transformers 5.24's attention caches the same, then runs ``kv_b_proj`` over every
-cached token at every step to expand per-head keys and values: ``kv_lora_rank x heads x (qk_nope +
-v_head_dim)`` multiply-adds per cached token per step. ``python -m benchmarks.deepseek_latent`` (one
-layer with V3's head dims and yarn rope, 16 heads, hidden 2048, fp32, 2 shared CPU cores) measured
-that form at 5-8x the decode time of an expanded cache at 2k-8k tokens of context; the cost grows with
-the heads (128 in V3).
+Why this exists: servers cache DeepSeek's compressed latent (``kv_lora_rank`` values) and shared rope
+key (``qk_rope_head_dim`` values) per token, 71 times less than expanded keys and values for V3 (core's
+``petals.kv_cache.specs.latent_widths``). transformers 5.24's attention caches the same, then runs
+``kv_b_proj`` over every cached token at every step to expand per-head keys and values: ``kv_lora_rank
+x heads x (qk_nope + v_head_dim)`` multiply-adds per cached token per step.
+``python -m benchmarks.deepseek_latent`` (one layer with V3's head dims and yarn rope, 16 heads, hidden
+2048, fp32, 2 shared CPU cores) measured that form at 5-8x the decode time of an expanded cache at
+2k-8k tokens of context; the cost grows with the heads (128 in V3).
 
 Weight absorption: with ``W_UK`` and ``W_UV`` the key and value parts of ``kv_b_proj``'s weight, per
 head ``[qk_nope x kv_lora_rank]`` and ``[v_head_dim x kv_lora_rank]``, a head's score of a cached token

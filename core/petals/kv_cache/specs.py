@@ -8,8 +8,10 @@ same, so that a server refuses it in one line instead of computing it wrong.
 Core's default (``describe_block``) reads the layer's kind from transformers itself
 (``cache_utils.get_layer_types_and_kwargs``: full, sliding, chunked, linear attention, ...) and
 its sizes from the config, and where the config does not say, from the family's ``attn_class``
-built on the meta device (its key and value projections' widths). A family whose cache differs
-from what transformers' layers cache (DeepSeek's latent attention) returns its own spec from the
+built on the meta device: its key and value projections' widths, or, for a multi-head latent
+attention (``latent_widths``: DeepSeek's MLA, as transformers writes it for every family that has
+one), the latent and shared rope key it hands its cache instead of per-head keys and values. A
+family whose cache differs from what transformers' layers cache returns its own spec from the
 ``cache_spec`` hook.
 """
 
@@ -432,7 +434,8 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
     From the config: ``num_attention_heads``, ``num_key_value_groups`` (query heads per key/value
     head), ``head_dim`` (or ``hidden_size // num_attention_heads``), and, where keys and values
     differ, ``qk_head_dim`` / ``v_head_dim``. Where the config's ``attn_class`` builds key and value
-    projections (``k_proj`` / ``v_proj``), their widths win: they are what the layer computes.
+    projections (``k_proj`` / ``v_proj``), their widths win: they are what the layer computes; where it
+    is a latent attention (``latent_widths``), one "head" of its latent and rope key does.
     """
     layers = getattr(config, "per_layer_config", None)  # a heterogeneous config's sizes are per layer
     layer = layers[block_index] if layers is not None else config
@@ -444,9 +447,11 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
     head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // num_heads
     key_dim = getattr(layer, "qk_head_dim", None) or head_dim
     value_dim = getattr(layer, "v_head_dim", None) or head_dim
-    widths = _projection_widths(getattr(type(config), "attn_class", None), config, block_index)
-    if widths is not None:
-        key_dim, value_dim = widths[0] // num_kv_heads, widths[1] // num_kv_heads
+    cached = _cached_widths(getattr(type(config), "attn_class", None), config, block_index)
+    if cached is not None:
+        heads, keys, values = cached
+        num_kv_heads = heads or num_kv_heads
+        key_dim, value_dim = keys // num_kv_heads, values // num_kv_heads
     return {
         "num_kv_heads": num_kv_heads,
         "key_dim": key_dim,
@@ -455,16 +460,36 @@ def attention_sizes(config: PretrainedConfig, block_index: int) -> dict[str, int
     }
 
 
-# widths of ``attn_class``'s projections, per (class, config, layer type): a server asks once per
+def latent_widths(attention: torch.nn.Module) -> tuple[int, int] | None:
+    """The widths of the latent and the rope key a multi-head latent attention hands its cache per token,
+    or None for another attention module.
+
+    DeepSeek's MLA, as transformers writes it for every family that has one (DeepSeek V2 and V3, Kimi,
+    GLM-4.7-Flash, MiniCPM3, Mistral 4, Youtu, LongCat-Flash, ...), projects each token with
+    ``kv_a_proj_with_mqa`` into a compressed latent of ``kv_lora_rank`` values and one rope key shared by
+    all heads (the rest of that projection), and hands the cache those two as one key/value "head"
+    (``cache.update(latent, rope_key)``, each ``[batch, 1, tokens, width]``); it expands them into
+    per-head keys and values (``kv_b_proj``) only after reading the cache. A DeepSeek V3 layer so caches
+    512 + 64 values per token, where its 128 expanded heads would take 128 x (192 + 128).
+    """
+    projection = getattr(attention, "kv_a_proj_with_mqa", None)
+    rank = getattr(attention, "kv_lora_rank", None)
+    if not isinstance(projection, torch.nn.Linear) or not isinstance(rank, int):
+        return None
+    return rank, projection.out_features - rank
+
+
+# what ``attn_class`` hands its cache per token, per (class, config, layer type): a server asks once per
 # block, and a planner once per block of every candidate span
-_WIDTHS: dict[tuple, tuple[int, int] | None] = {}
+_WIDTHS: dict[tuple, tuple[int | None, int, int] | None] = {}
 
 
-def _projection_widths(
+def _cached_widths(
     attn_class: type | None, config: PretrainedConfig, block_index: int
-) -> tuple[int, int] | None:
-    """The output widths of ``attn_class``'s ``k_proj`` and ``v_proj``, built on the meta device (None
-    when it has no such projections). Layers of one type share their widths, so each type is built once."""
+) -> tuple[int | None, int, int] | None:
+    """``(heads, key width, value width)`` of what ``attn_class``, built on the meta device, hands its cache
+    per token (heads None: as many as the config says), or None when it shows neither key and value
+    projections nor a latent. Layers of one type share their widths, so each type is built once."""
     if attn_class is None:
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -479,13 +504,18 @@ def _projection_widths(
     return _WIDTHS[key]
 
 
-def _built_widths(attn_class: type, config: PretrainedConfig, block_index: int) -> tuple[int, int] | None:
+def _built_widths(
+    attn_class: type, config: PretrainedConfig, block_index: int
+) -> tuple[int | None, int, int] | None:
     with torch.device("meta"):
         try:
             attention = attn_class(config, block_index)
         except TypeError:  # an attention class that takes no layer index
             attention = attn_class(config)
+    latent = latent_widths(attention)
+    if latent is not None:  # one "head", read by every query head
+        return 1, *latent
     k_proj, v_proj = getattr(attention, "k_proj", None), getattr(attention, "v_proj", None)
     if not isinstance(k_proj, torch.nn.Linear) or not isinstance(v_proj, torch.nn.Linear):
         return None
-    return k_proj.out_features, v_proj.out_features
+    return None, k_proj.out_features, v_proj.out_features
