@@ -20,6 +20,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from petals.families_report import FamilyRow, family_rows
@@ -94,7 +95,8 @@ def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) ->
         "the serving plugin's `cache_spec`; a plugin may serve kinds its type's default config does not "
         "use (LFM2's default config has attention in every layer; `petals-lfm` also serves its "
         "convolution layers). The tests of a type are those naming it: the ones running the conformance "
-        "kit, and the ones starting real `petals serve` processes (not servers in the test's own process).",
+        "kit, and the ones starting real `petals serve` processes (not servers in the test's own process). "
+        f"Model types from transformers {transformers.__version__}.",
     ]
     for title, plugins in (
         ("the first-party plugins", first_party),
@@ -171,6 +173,14 @@ def main(argv: list[str]) -> int:
     }
     if "--check" in argv:
         stale = [path for path, text in written.items() if path.read_text() != text]
+        written_with = re.search(r"Model types from transformers (\S+)\.", PAGE.read_text())
+        if written_with and written_with.group(1) != transformers.__version__:  # the page lists its types
+            print(
+                f"{PAGE.relative_to(ROOT)} lists transformers {written_with.group(1)}'s model types, this "
+                f"environment has {transformers.__version__}: install the newest (make install) or run "
+                "python docs/families.py",
+                file=sys.stderr,
+            )
         for path in stale:
             print(f"{path.relative_to(ROOT)} is out of date: run python docs/families.py", file=sys.stderr)
         return 1 if stale else 0

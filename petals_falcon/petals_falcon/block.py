@@ -32,7 +32,7 @@ class FalconBlock(ServerBlockMixin, FalconDecoderLayer):
             position_embeddings = self.rotary_embeddings(hidden_states, position_ids, cache)
         return super().forward(
             hidden_states,
-            alibi=alibi,
+            alibi=alibi,  # 5.24's attention takes it; 5.25 and later find ALiBi in the mask alone and drop it
             attention_mask=mask,
             position_ids=position_ids,
             layer_past=cache,

@@ -3,6 +3,8 @@
 * new architecture: ``[kv group: its queries, key, value] * num_kv_heads`` → split by groups;
 * RW (no multi-query): ``[head: query, key, value] * num_heads`` → split by heads;
 * multi-query: ``[all queries, one key, one value]`` → queries split, the shared key/value kept by every shard.
+  Where the attention repeats its key/value heads ``num_key_value_groups`` times (transformers 5.25 and later:
+  the shared attention functions), that count is this shard's query heads too.
 
 With ALiBi (RW models) each shard takes its heads' slice of the bias and of the per-head mask.
 """
@@ -14,6 +16,7 @@ import tensor_parallel as tp
 import torch
 from tensor_parallel.aux_actions import split_num_heads
 from tensor_parallel.state_actions import Scale, Split, SplitInChunks, StateAction
+from transformers.models.falcon.modeling_falcon import FalconAttention
 
 from petals.convert.tensor_parallel import head_splitter
 
@@ -33,6 +36,13 @@ class SplitQueriesKeepSharedKeyValue(StateAction):
         return torch.cat([*queries, tensors[0][-2 * self.head_dim :].cpu()])
 
 
+def repeats_key_value_heads(config) -> bool:
+    """Whether Falcon's attention repeats each key/value head for ``num_key_value_groups`` query heads, a count
+    it sets at init (5.25 and later); 5.24 computes attention itself, from the heads as split."""
+    with torch.device("meta"):
+        return hasattr(FalconAttention(config), "num_key_value_groups")
+
+
 def tensor_parallel_config(config, world_size: int) -> tp.Config:
     num_heads = config.num_attention_heads
     head_dim = config.hidden_size // num_heads
@@ -44,6 +54,8 @@ def tensor_parallel_config(config, world_size: int) -> tp.Config:
         head_counts["num_kv_heads"] = split_heads
     elif config.multi_query:
         qkv = SplitQueriesKeepSharedKeyValue(world_size, head_dim)
+        if repeats_key_value_heads(config):  # the one shared head serves this shard's queries, not all
+            head_counts["num_key_value_groups"] = split_heads
     else:
         qkv = SplitInChunks(world_size, dim=0, chunk_size=3 * head_dim)
         head_counts["num_kv_heads"] = split_heads
