@@ -283,7 +283,17 @@ def _config_json(config: PretrainedConfig) -> str:
 
 def make_block(config: PretrainedConfig, block_index: int = 0) -> torch.nn.Module:
     """Block ``block_index`` with fresh weights (wrap in ``torch.device("meta")`` to skip allocation)."""
-    return config.block_class(config, block_index)
+    return block_class_of(config, block_index)(config, block_index)
+
+
+def block_class_of(config: PretrainedConfig, block_index: int) -> type[torch.nn.Module]:
+    """The block class of layer ``block_index``: the one ``block_classes`` names for the layer's
+    ``layer_types`` value, as transformers picks the decoder-layer class by it, else ``block_class``."""
+    by_type = getattr(config, "block_classes", None)
+    layer_types = getattr(config, "layer_types", None)
+    if by_type and layer_types is not None and layer_types[block_index] in by_type:
+        return by_type[layer_types[block_index]]
+    return config.block_class
 
 
 def allocate_cache(

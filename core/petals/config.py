@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -91,6 +91,9 @@ class DistributedConfigMixin(ClientConfig, PTuneConfig, LMHeadConfig):
     """Mixed in front of a Hugging Face config class by every family plugin."""
 
     block_class: ClassVar[type | LazyClass]  # the server-side block (one decoder layer)
+    # where transformers builds layers of several classes (attention layers and linear layers, say), the
+    # block for the layers of each ``layer_types`` value; a type not named here gets ``block_class``
+    block_classes: ClassVar[Mapping[str, type]] = {}
     # the family's attention module (HF class): core's default cache_spec reads its key/value widths
     attn_class: ClassVar[type | LazyClass | None] = None
     block_prefix: ClassVar[str]  # state-dict prefix (and module path) of the layer list, e.g. "model.layers"

@@ -7,8 +7,8 @@ answering a hook wins over them. Every hook but ``register_model_families`` is c
 plugin that registered the config's model type (and core's defaults), so an implementation answers
 for its own families and needs no check of which config it got.
 
-What a family declares on its config class instead of through hooks: ``block_class`` (the block),
-``attn_class`` (its attention, which core's default cache description reads sizes from),
+What a family declares on its config class instead of through hooks: ``block_class`` (the block;
+``block_classes`` per layer type where transformers builds layers of several classes), ``attn_class`` (its attention, which core's default cache description reads sizes from),
 ``block_prefix`` and ``num_key_value_groups``; checkpoint key conversion is transformers' own mapping
 for the model type (``transformers.conversion_mapping``).
 """

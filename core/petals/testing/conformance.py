@@ -51,7 +51,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from petals.auto import AutoDistributedConfig
-from petals.block import cache_spec, make_block, shared_kv_kwargs
+from petals.block import block_class_of, cache_spec, make_block, shared_kv_kwargs
 from petals.config import DistributedConfigMixin, validate_dht_prefix
 from petals.kv_cache import (
     PAGE_TOKENS,
@@ -137,6 +137,7 @@ def check_family(
     if windows:
         schedule = schedule.past(max(windows))
 
+    _check_layer_classes(reference, distributed)
     blocks = [load_block(path, i, torch.float32, config=distributed) for i in range(config.num_hidden_layers)]
     report = ConformanceReport(config.model_type, distributed.dht_prefix, specs)
     _check_exactness(reference, distributed, blocks, specs, report, schedule)
@@ -162,10 +163,22 @@ def check_structure(
     with torch.device("meta"):  # as load_block builds a block: its tensors take no memory
         for index in range(config.num_hidden_layers):
             block = make_block(distributed, index)
-            assert isinstance(block, distributed.block_class), f"block {index}: built {type(block)}"
+            expected = block_class_of(distributed, index)
+            assert type(block) is expected, f"block {index}: built {type(block)}, not {expected}"
             built = [name for name, tensor in block.named_parameters() if not tensor.is_meta]
             assert not built, f"block {index} made its parameters {built} outside the meta device"
     return ConformanceReport(config.model_type, distributed.dht_prefix, specs)
+
+
+def _check_layer_classes(reference: PreTrainedModel, config: PretrainedConfig) -> None:
+    """Each block is of the class transformers builds for the layer at its index (a model of several
+    decoder-layer classes names each in ``block_classes``)."""
+    for index, layer in enumerate(reference.get_submodule(config.block_prefix)):
+        block = block_class_of(config, index)
+        assert issubclass(block, type(layer)), (
+            f"block {index} is a {block.__name__}, but transformers builds layer {index} as a "
+            f"{type(layer).__name__}: name its class in the config's block_classes for that layer type"
+        )
 
 
 def _check_registered(config: PretrainedConfig) -> None:
