@@ -93,8 +93,9 @@ tune-demo: $(INSTALLED)
 # JOBS=N: N pytest workers, each taking whole test files (a file's shared swarm starts once). On 2 cores
 # JOBS=2 took 11:36-11:39 against 14:53 in one process: the suite's CPU sets the floor (benchmarks.suite_cpu)
 JOBS ?=
+# --durations: the slowest tests, printed at the end, to keep the suite's time in view
 test: $(INSTALLED) test-tools
-	$(BIN)/python -m pytest $(if $(JOBS),-n $(JOBS) --dist loadfile)
+	$(BIN)/python -m pytest --durations=25 $(if $(JOBS),-n $(JOBS) --dist loadfile)
 
 # the oldest lane: OLDEST_TESTS at the lower ends of the ranges (4.5 minutes on 2 busy cores, 2.5 more to install)
 test-oldest: $(OLDEST_INSTALLED)

@@ -18,7 +18,7 @@ import sys
 
 import httpx2
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from benchmarks.harness import Check, Context, Result, Swarm, against_local, main
 
@@ -96,22 +96,10 @@ def _chat_swarm(ctx: Context, stack: contextlib.ExitStack) -> Swarm:
     swarm of its own (the context's quick swarm stays up for the next benchmarks)."""
     if not ctx.quick:
         return ctx.swarm("smollm2", servers=3)
-    from petals.demo_model import prepare_demo_model
+    from benchmarks.chat_model import save_tiny_chat_llama
     from petals.testing.swarm import running_swarm
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-    )
-    path = ctx.workdir / "quick-chat-llama"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_chat_llama(ctx.workdir / "quick-chat-llama")
     dht, servers = stack.enter_context(running_swarm(path, "0:4"))
     swarm = Swarm(path, dht.initial_peers, servers)
     stack.callback(swarm.close_clients)

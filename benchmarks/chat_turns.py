@@ -28,7 +28,7 @@ import time
 
 import httpx2
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from benchmarks.harness import SERVER_ARGS, Check, Context, Result, block_ranges, main
 
@@ -209,23 +209,10 @@ def _model_path(ctx: Context):
     """SmolLM2; with --quick, a 4-block random Llama over its tokenizer (the API needs one)."""
     if not ctx.quick:
         return ctx.model_path("smollm2")
-    from petals.demo_model import prepare_demo_model
+    from benchmarks.chat_model import save_tiny_chat_llama
 
     path = ctx.workdir / "quick-chat-llama"
-    if not path.exists():
-        tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
-        config = LlamaConfig(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=len(tokenizer),
-        )
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return path
+    return path if path.exists() else save_tiny_chat_llama(path)
 
 
 BENCHMARKS = {"chat_turns": chat_turns}

@@ -485,26 +485,9 @@ def _release(server) -> None:
 
 def save_tiny_chat_llama(directory: Path) -> Path:
     """A random 4-block Llama over the demo model's tokenizer (the API needs one), saved with it."""
-    from transformers import AutoTokenizer
+    from benchmarks.chat_model import save_tiny_chat_llama as save
 
-    from petals.demo_model import prepare_demo_model
-
-    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    path = directory / "reliability-chat-llama"
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save(directory / "reliability-chat-llama")
 
 
 VALID_COMPLETION = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}

@@ -17,7 +17,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    AutoTokenizer,
     BloomConfig,
     FalconConfig,
     Gemma3Config,
@@ -30,8 +29,8 @@ from transformers import (
     StoppingCriteria,
 )
 
+from benchmarks.chat_model import save_tiny_chat_llama
 from petals import hookimpl
-from petals.demo_model import prepare_demo_model
 from petals.plugins import PluginManager, using_plugin_manager
 from petals_llama.config import DistributedLlamaConfig
 
@@ -464,19 +463,4 @@ def imported_modules(log_lines) -> set[str]:
 def chat_model_path(tmp_path_factory) -> Path:
     """A random 4-block Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer (``petals api``
     needs one)."""
-    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model())
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("chat") / "tiny-chat-llama"
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("chat") / "tiny-chat-llama")

@@ -20,9 +20,10 @@ import httpx2
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 import petals
+from benchmarks.chat_model import save_tiny_chat_llama
 from conftest import LOOPBACK_CLIENT, inprocess_swarm, launch_chromium
 from petals.api.text import StreamingText
 from petals.demo_model import prepare_demo_model
@@ -39,23 +40,9 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory, tokenizer) -> Path:
+def model_path(tmp_path_factory) -> Path:
     """A random 4-block Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("api") / MODEL_ID
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("api") / MODEL_ID)
 
 
 @pytest.fixture(scope="module")
