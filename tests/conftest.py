@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import shutil
 import subprocess
 import sys
@@ -192,6 +193,16 @@ def save_random_model(
         adjust(model)
     model.save_pretrained(path)
     return path
+
+
+def slow_to_forget(model: torch.nn.Module) -> None:
+    """A state-space head decays its state by exp(-exp(A_log) dt) a token, and a random model's heads forget
+    within a token or two: with A = 0.01 each keeps the session's history, so a state served or restored
+    wrong shows in the logits (``adjust`` for ``save_random_model``)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(math.log(0.01))
 
 
 # multimodal wrappers (config.json's model_type is the wrapper's, the text model's under text_config) with

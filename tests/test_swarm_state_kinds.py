@@ -19,14 +19,12 @@ within a token: the SSM heads are made slow to forget, so that the state carries
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, FalconH1Config, KimiLinearConfig, Lfm2Config
 
 import petals
-from conftest import LOOPBACK_CLIENT, save_random_model
+from conftest import LOOPBACK_CLIENT, save_random_model, slow_to_forget
 from petals.block import cache_spec
 from petals.kv_cache import FullAttentionSpec, HybridSpec, LinearAttentionSpec
 from petals.testing.swarm import running_swarm
@@ -87,14 +85,6 @@ SPECS = {  # what each block caches, as servers budget it
     "short-convolutions-and-attention": [SHORT_CONV, FullAttentionSpec(**HEADS)] * 2,
     "mamba2-beside-attention": [HybridSpec(attention=FullAttentionSpec(**HEADS), state=MAMBA2)] * 4,
 }
-
-
-def slow_to_forget(model: torch.nn.Module) -> None:
-    """An SSM head decays its state by exp(-exp(A_log) dt) a token; with A = 0.01 it keeps the history."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("A_log"):
-                parameter.fill_(math.log(0.01))
 
 
 @pytest.mark.slow

@@ -54,17 +54,24 @@ class ServerBlockMixin:
 
     def __init__(self, config: PretrainedConfig, block_index: int = 0) -> None:
         config = self.prepare_config(config, block_index)
-        super().__init__(config, layer_idx=block_index)
+        super().__init__(
+            config, layer_idx=block_index, **_layer_type_argument(super().__init__, config, block_index)
+        )
         self.config, self.block_index = config, block_index
         self.layer_type = layer_type(config, block_index)
         if self.rotary_class is not None:
             with torch.device("cpu"):  # inv_freq is computed, not loaded: never leave it on "meta"
                 self.rotary_emb = self.rotary_class(config)
-        # the full model calls some rotary embeddings with the layer's type (one (cos, sin) per type)
+        # the full model calls some rotary embeddings with the layer's type (one (cos, sin) per type), and
+        # hands a layer of a type the embedding has no rope for none (the layer attends without positions)
         self._rotary_layer_type = (
             {"layer_type": self.layer_type}
             if self.rotary_class is not None and _takes_layer_type(self.rotary_class)
             else {}
+        )
+        rope_types = getattr(getattr(self, "rotary_emb", None), "rope_type", None)
+        self._without_rope = (
+            isinstance(rope_types, dict) and self._rotary_layer_type and self.layer_type not in rope_types
         )
         self._config_key = (type(self), self.rotary_class, self.layer_type, _config_json(config))
         # read once: config attribute access is slow, and steps ask per block
@@ -112,6 +119,8 @@ class ServerBlockMixin:
         """The rotary module's ``(cos, sin)`` for these positions. A server runs its blocks one after
         another on the same rows at the same positions, so blocks with equal configs reuse the
         previous block's result (as the full model computes it once for all its layers)."""
+        if self._without_rope:
+            return None
         return self._step_value(
             "rotary",
             hidden_states,
@@ -159,8 +168,8 @@ class ServerBlockMixin:
     ) -> torch.Tensor | None:
         """The mask the full model builds for this layer, with a merged cache's padding (None where sdpa's
         is_causal suffices)."""
-        if not kwargs and self._needs_no_mask(hidden_states, cache):
-            return None
+        if self.layer_type == "dummy" or not kwargs and self._needs_no_mask(hidden_states, cache):
+            return None  # a feed-forward layer (transformers' "dummy" cache kind) attends nothing
         mask_function = _MASK_FUNCTIONS.get(self.layer_type, create_causal_mask)
         return self._step_value(
             "mask",
@@ -202,13 +211,14 @@ class RotaryBlockMixin(ServerBlockMixin):
     ) -> torch.Tensor:
         """``layer_kwargs``: what core hands on between the blocks of one pass (``shared_kv_kwargs``)."""
         position_ids = self.position_ids(hidden_states, cache)
+        if self.rotary_class is not None:  # a model without rotary embeddings hands its layers none
+            layer_kwargs["position_embeddings"] = self.rotary_embeddings(hidden_states, position_ids, cache)
         return super().forward(
             hidden_states,
             attention_mask=self.causal_mask(hidden_states, cache, position_ids),
             position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
-            position_embeddings=self.rotary_embeddings(hidden_states, position_ids, cache),
             **layer_kwargs,
         )
 
@@ -220,6 +230,25 @@ def shared_kv_kwargs(module: torch.nn.Module, shared: dict | None) -> dict:
     if not getattr(module, "takes_shared_kv_states", False):
         return {}
     return {"shared_kv_states": {} if shared is None else shared}
+
+
+# what transformers' model loops read off each layer to pick the mask they hand it
+_MASK_CHOOSING_ATTRIBUTES = ("attention_type", "block_type")
+
+
+class LayerListStandIn(torch.nn.Module):
+    """A module a client or the kit puts in a transformers model's layer list in place of all its layers
+    (``layer_list_config()``: the model's config). Where the model's loop reads a layer's type off it to
+    choose the mask it hands the layer, it answers with the first layer's: the stand-in ignores masks."""
+
+    def layer_list_config(self) -> PretrainedConfig:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str):
+        if name not in _MASK_CHOOSING_ATTRIBUTES:
+            return super().__getattr__(name)
+        layer_types = getattr(self.layer_list_config(), "layer_types", None)
+        return layer_types[0] if layer_types else "full_attention"
 
 
 def layer_type(config: PretrainedConfig, block_index: int) -> str:
@@ -271,6 +300,15 @@ def _ask_model_class(config: PretrainedConfig) -> tuple[str, str]:
     attention = model_class.get_correct_attn_implementation(model, None, is_init_check=True)
     experts = model_class.get_correct_experts_implementation(model, None)
     return attention, experts
+
+
+def _layer_type_argument(init, config: PretrainedConfig, block_index: int) -> dict:
+    """``layer_type`` for a decoder layer that is told its type when built (its model passes it), rather
+    than reading it from the config."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or "layer_type" not in inspect.signature(init).parameters:
+        return {}
+    return {"layer_type": layer_types[block_index]}
 
 
 def _takes_layer_type(rotary_class: type) -> bool:

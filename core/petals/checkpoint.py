@@ -218,3 +218,28 @@ def _cached_repo_exists(repo_id: str, hub_kwargs: dict) -> bool:
     except Exception:
         return False
     return any(repo.repo_id == repo_id for repo in cache.repos)
+
+
+def stored_names(model_type: str, name: str) -> list[str]:
+    """``name`` (a tensor's or a module path), then each name that transformers' plain renamings for
+    ``model_type`` turn into it: a renaming ``^backbone\\.`` -> ``model.`` reads ``model.layers`` from a
+    checkpoint's ``backbone.layers``."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    names, wanted = [name], name + "."
+    for renaming in get_checkpoint_conversion_mapping(model_type) or []:
+        if not isinstance(renaming, WeightRenaming) or len(renaming.target_patterns) != 1:
+            continue
+        target = _literal(renaming.target_patterns[0])
+        for source in map(_literal, renaming.source_patterns):
+            if source and target and wanted.startswith(target):
+                names.append((source + wanted[len(target) :]).removesuffix("."))
+    return names
+
+
+def _literal(pattern: str) -> str | None:
+    """A renaming's pattern as the plain text it matches at the start of a name, or None for a pattern
+    that is more than plain text."""
+    text = pattern.removeprefix("^").replace("\\.", ".")
+    return text if re.fullmatch(r"[\w.]+", text) else None

@@ -60,7 +60,9 @@ def cache_spec(config: PretrainedConfig, block_index: int) -> CacheSpec | None:
     heads ``num_attention_heads // num_key_value_groups``; key and value widths ``qk_head_dim`` /
     ``v_head_dim`` / ``head_dim``), or from the config's ``attn_class`` where it has ``k_proj`` and
     ``v_proj``, or a multi-head latent attention's ``kv_a_proj_with_mqa`` (its latent and rope key:
-    ``petals.kv_cache.specs.latent_widths``). Implement it only where a layer caches something else
+    ``petals.kv_cache.specs.latent_widths``); the state of a linear-attention, convolution or hybrid
+    layer from the block itself (``petals.kv_cache.specs.measured_state``); nothing for a feed-forward
+    layer listed among the layer types (``StatelessSpec``). Implement it only where a layer caches something else
     than what its transformers layer hands the cache, or where its sizes differ by layer in a way the
     default does not read.
     Servers budget memory with it, and the kit checks it against what a block really caches.

@@ -11,6 +11,7 @@ shards holding the block. Quantized weights stay packed in their stored encoding
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -29,7 +30,7 @@ from transformers.core_model_loading import (
 )
 
 from petals.block import make_block
-from petals.checkpoint import CONFIG, Checkpoint, CheckpointError
+from petals.checkpoint import CONFIG, Checkpoint, CheckpointError, stored_names
 from petals.formats import pack_tensors
 from petals.formats.gguf import GGUFCheckpoint, gguf_file
 from petals.formats.packed import PackedWeight, install_weights, set_dtype
@@ -72,7 +73,7 @@ def read_block_state_dict(
     the stored encoding (``weights="packed"``) or dequantized to ``dtype``; other tensors keep the
     checkpoint's dtype.
     """
-    prefix, keys = checkpoint.block_keys(config.block_prefix, block_index)
+    prefix, keys = _stored_block_keys(checkpoint, config, block_index)
     stored = checkpoint.read(keys, dtype, packed=weights == "packed")
     state_dict = pack_tensors(config, {key[len(prefix) :]: tensor for key, tensor in stored.items()}, dtype)
     state_dict = convert_checkpoint_names(config.model_type, state_dict)
@@ -82,6 +83,21 @@ def read_block_state_dict(
         name: value.dequantize() if isinstance(value, PackedWeight) else value
         for name, value in state_dict.items()
     }
+
+
+def _stored_block_keys(
+    checkpoint: Checkpoint, config: PretrainedConfig, block_index: int
+) -> tuple[str, list[str]]:
+    """``checkpoint.block_keys`` under the block prefix, else under a prefix transformers renames to it on
+    loading (a family whose checkpoints store their layers under another parent module)."""
+    prefixes = stored_names(config.model_type, config.block_prefix)
+    try:
+        return checkpoint.block_keys(prefixes[0], block_index)
+    except CheckpointError:
+        for prefix in prefixes[1:]:
+            with contextlib.suppress(CheckpointError):
+                return checkpoint.block_keys(prefix, block_index)
+        raise
 
 
 def convert_checkpoint_names(model_type: str, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

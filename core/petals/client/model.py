@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 import threading
@@ -36,7 +37,8 @@ from transformers import (
 
 from petals import tracing
 from petals.auto import AutoDistributedConfig
-from petals.checkpoint import Checkpoint
+from petals.block import LayerListStandIn
+from petals.checkpoint import Checkpoint, stored_names
 from petals.client.generation import RemoteGenerationMixin
 from petals.client.inference_session import InferenceSession
 from petals.client.lm_head import ChunkedLMHead
@@ -64,7 +66,7 @@ _PROMPT_MODULES = ("prompt_embeddings", "intermediate_prompt_embeddings")
 _HUB_KWARGS = ("cache_dir", "revision", "token")
 
 
-class _RemoteLayers(nn.Module):
+class _RemoteLayers(LayerListStandIn):
     """The only entry of the HF layer list: all blocks, remotely."""
 
     def __init__(self, remote: RemoteSequential, output_is_tuple: bool, owner: DistributedModelMixin) -> None:
@@ -72,6 +74,9 @@ class _RemoteLayers(nn.Module):
         self.remote = remote
         self.output_is_tuple = output_is_tuple
         self._owner = weakref.ref(owner)  # not a submodule: the owner contains us
+
+    def layer_list_config(self) -> PretrainedConfig:
+        return self._owner().config
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         owner = self._owner()
@@ -162,7 +167,26 @@ class DistributedModelMixin:
             kwargs["attention_mask"] = None
         if tracing.client_log is not None and kwargs.get("input_ids") is not None:
             kwargs = self._traced_embeddings(tracing.client_log, kwargs)
-        return super().forward(*args, **kwargs)
+        return super().forward(*args, **self._session_positions(args, kwargs))
+
+    def _session_positions(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with the positions of a step inside a session, where none are given: transformers'
+        model, which holds no cache here, would number the step's tokens from 0, and a model that adds
+        learned position embeddings before its layers would embed them at the wrong positions."""
+        session = self.remote_blocks.active_session
+        if session is None or not session.position or kwargs.get("position_ids") is not None or len(args) > 2:
+            return kwargs
+        if "position_ids" not in inspect.signature(super().forward).parameters:
+            return kwargs
+        inputs = (
+            kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        )
+        if inputs is None and args:
+            inputs = args[0]
+        if inputs is None:
+            return kwargs
+        steps = torch.arange(session.position, session.position + inputs.shape[1], device=inputs.device)
+        return {**kwargs, "position_ids": steps.expand(inputs.shape[0], -1)}
 
     def _traced_embeddings(self, log: tracing.StepLog, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Embed ``input_ids`` here (as the model would) to time it for the step about to be sent."""
@@ -300,7 +324,8 @@ class DistributedModelMixin:
         """Fill embeddings, norms and heads from the checkpoint (never a block's tensors)."""
         wanted = [name for name in self.state_dict(keep_vars=True) if "prompt_embeddings" not in name]
         found = {
-            name: _checkpoint_key(name, checkpoint.weight_map, self.base_model_prefix) for name in wanted
+            name: _checkpoint_key(name, checkpoint.weight_map, self.base_model_prefix, self.config.model_type)
+            for name in wanted
         }
         found = {name: key for name, key in found.items() if key is not None}
         keys = with_companions(self.config, sorted(set(found.values())), checkpoint.weight_map)
@@ -353,10 +378,12 @@ def _prepend_prompts(model: DistributedModelMixin):
     return hook
 
 
-def _checkpoint_key(name: str, weight_map: dict[str, str], base_prefix: str) -> str | None:
-    """The checkpoint's name for a model tensor: as is, with the base model prefix, or a suffix of it."""
+def _checkpoint_key(name: str, weight_map: dict[str, str], base_prefix: str, model_type: str) -> str | None:
+    """The checkpoint's name for a model tensor: as is, with the base model prefix, or a suffix of it; else
+    a name transformers renames to it on loading (``petals.loading.stored_names``)."""
     parts = name.split(".")
     candidates = [name, f"{base_prefix}.{name}"] + [".".join(parts[start:]) for start in range(1, len(parts))]
+    candidates += stored_names(model_type, name)[1:]
     return next((candidate for candidate in candidates if candidate in weight_map), None)
 
 

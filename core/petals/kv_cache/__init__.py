@@ -30,7 +30,8 @@ sessions grow and given back when they rewind, slide past their window or end. L
 ``CacheGroup``). Indexed attention keeps its indexer's keys in the pages of its keys and values
 (``petals.kv_cache.indexed``). A layer that reuses an earlier layer's keys and values (``SharedKVSpec``)
 keeps nothing (``petals.kv_cache.shared``); ``closed_boundaries`` says where spans of blocks must not
-split it from its source.
+split it from its source. A feed-forward layer listed among the layer types (``StatelessSpec``) keeps
+nothing either (``petals.kv_cache.stateless``).
 
 Whose pages are they? Each session's, on a ``Lease`` (``petals.kv_cache.lending``): live, lent while the
 session is idle, kept after it ended for its client to continue, and reclaimed (least recently used
@@ -78,12 +79,14 @@ from petals.kv_cache.specs import (
     LinearAttentionSpec,
     SharedKVSpec,
     SlidingWindowSpec,
+    StatelessSpec,
     UnservedSpec,
     check_span,
     closed_boundaries,
     describe_block,
     kv_source,
 )
+from petals.kv_cache.stateless import StatelessCache
 from petals.kv_cache.states import (
     HybridCache,
     HybridPool,
@@ -124,6 +127,10 @@ def manager_for(spec: CacheSpec, block: str = "this block") -> type[SessionCache
     if manager is None:
         served = ", ".join(sorted({kind.kind.replace("_", " ") for kind in MANAGERS}))
         article = "an" if spec.describe()[:1] in "aeiou" else "a"
+        if isinstance(spec, UnservedSpec) and spec.reason:
+            raise UnservedCacheKindError(
+                f"{block} is {article} {spec.describe()} layer, not served: {spec.reason}"
+            )
         if spec.kind == "unserved" and spec.describe() in served.split(", "):
             raise UnservedCacheKindError(
                 f"{block} is {article} {spec.describe()} layer, whose sizes core cannot read from its config: "
@@ -198,6 +205,8 @@ __all__ = [
     "SlidingWindowSpec",
     "StateCache",
     "StatePool",
+    "StatelessCache",
+    "StatelessSpec",
     "UnservedCacheKindError",
     "UnservedSpec",
     "check_hypo_ids",

@@ -13,40 +13,16 @@ from collections.abc import Sequence
 
 import torch
 
-from petals.kv_cache.attention import RowsCache, check_hypo_ids
-from petals.kv_cache.base import KindCache, Pool
+from petals.kv_cache.attention import check_hypo_ids
+from petals.kv_cache.base import KindCache
 from petals.kv_cache.specs import SharedKVSpec, SlidingWindowSpec
+from petals.kv_cache.stateless import CountingLayer, EmptyPool, StatelessRowsCache
 
 
-class SharedKVPool(Pool):
-    """What a block of this kind takes from the server's budget: nothing (no arena, no ``parts``)."""
+class SharedKVPool(EmptyPool):
+    """What a block of this kind takes from the server's budget: nothing."""
 
     spec: SharedKVSpec
-
-    def __init__(self, spec: SharedKVSpec, *args, **kwargs) -> None:
-        super().__init__(spec, None, page_tokens=0)
-
-    @classmethod
-    def page_demand(
-        cls, spec: SharedKVSpec, dtype: torch.dtype, page_tokens: int
-    ) -> tuple[tuple[int, int], ...]:
-        return ()
-
-    @classmethod
-    def for_budget(cls, spec: SharedKVSpec, *args) -> SharedKVPool:
-        return cls(spec)
-
-    for_session = for_budget
-
-    @property
-    def parts(self) -> tuple[Pool, ...]:
-        return ()
-
-    def pages_for(self, tokens: int) -> int:
-        return 0
-
-    def max_pages(self, length: int) -> int:
-        return 0
 
 
 class SharedKVCache(KindCache):
@@ -73,18 +49,12 @@ class SharedKVCache(KindCache):
         check_hypo_ids(hypo_ids, self.num_sequences)  # the source's cache reorders the keys themselves
 
 
-class SharedKVLayer:
+class SharedKVLayer(CountingLayer):
     """The cache layer a reusing block's mask functions read: its source's sizes, before the step."""
 
-    is_compileable = False
-    is_initialized = True
-
     def __init__(self, members: Sequence[SharedKVCache]) -> None:
-        self.members = list(members)
+        super().__init__(members)
         self.is_sliding = isinstance(self.members[0].spec.attention, SlidingWindowSpec)
-
-    def get_seq_length(self) -> int:
-        return max(member.length for member in self.members)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         length = self.get_seq_length()
@@ -92,22 +62,14 @@ class SharedKVLayer:
         return length + query_length - offset, offset
 
 
-class SharedRowsCache(RowsCache):
+class SharedRowsCache(StatelessRowsCache):
     """Several sessions' reusing caches of one block, for one batched forward."""
 
     def __init__(self, members: Sequence[SharedKVCache]) -> None:
         super().__init__(members, SharedKVLayer(members))
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layer.get_mask_sizes(query_length)
 
     def update(self, key_states, value_states, layer_idx: int = 0, *args, **kwargs):
         raise ValueError(
             f"block {self.layer_index} reuses the keys and values of block {self.members[0].spec.source}: "
             "it has none of its own to cache"
         )
-
-    def finish_step(self, new_tokens: int) -> None:
-        """The block's forward returned (``ServerBlockMixin`` calls this): the rows moved on."""
-        for member in self.members:
-            member.advance(new_tokens)

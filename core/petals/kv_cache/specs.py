@@ -10,17 +10,21 @@ Core's default (``describe_block``) reads the layer's kind from transformers its
 its sizes from the config, and where the config does not say, from the family's ``attn_class``
 built on the meta device: its key and value projections' widths, or, for a multi-head latent
 attention (``latent_widths``: DeepSeek's MLA, as transformers writes it for every family that has
-one), the latent and shared rope key it hands its cache instead of per-head keys and values. A
-family whose cache differs from what transformers' layers cache returns its own spec from the
-``cache_spec`` hook.
+one), the latent and shared rope key it hands its cache instead of per-head keys and values. A layer
+that keeps a fixed-size state (transformers' ``linear_attention``, ``conv`` and ``hybrid`` layers:
+Mamba-2 mixers, short convolutions) is measured (``measured_state``): its block, built on the meta
+device, steps into transformers' own linear-attention cache layer, and the state is what that layer
+allocates; a state core cannot measure, or one a step of several tokens ignores, stays unserved, refused
+in one line. A family whose cache differs from what transformers' layers cache returns its own spec
+from the ``cache_spec`` hook.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import PretrainedConfig
@@ -294,10 +298,26 @@ class SharedKVSpec(CacheSpec):
 
 
 @dataclass(frozen=True)
+class StatelessSpec(CacheSpec):
+    """A layer that caches nothing: feed-forward or experts alone, which transformers lists among the
+    layer types ("mlp", "moe": its caches hold a placeholder for them, kind "dummy")."""
+
+    kind: ClassVar[str] = "stateless"
+
+    def tokens_held(self, length: int) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "no cache (feed-forward only)"
+
+
+@dataclass(frozen=True)
 class UnservedSpec(CacheSpec):
     """A layer kind petals-core describes but has no manager for yet (a server refuses it in one line)."""
 
     layer_type: str
+    # why core does not serve this layer, where it knows more than the kind (compared equal whatever it says)
+    reason: str = dataclasses.field(default="", compare=False)
     kind: ClassVar[str] = "unserved"
 
     def describe(self) -> str:
@@ -310,8 +330,12 @@ def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
     if source is not None:
         return SharedKVSpec(source, describe_block(config, source))
     layer_type, kwargs = layer_kind(config, block_index)
+    if layer_type == "dummy":
+        return StatelessSpec()
     if layer_type == "linear_attention" and all(hasattr(config, name) for name in _GATED_DELTA_NET):
         return gated_delta_net_spec(config)
+    if layer_type in STATE_KINDS:
+        return state_spec(config, block_index, layer_type)
     if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
         return UnservedSpec(layer_type)
     sizes = attention_sizes(config, block_index)
@@ -322,7 +346,7 @@ def describe_block(config: PretrainedConfig, block_index: int) -> CacheSpec:
 
 
 # the config fields of transformers' gated delta net layers (Qwen3-Next, Qwen3.5, ...); other linear
-# layers (Mamba's, say) name their sizes otherwise and stay unserved until described
+# layers (Mamba's, short convolutions) name their sizes otherwise: core measures them (``state_spec``)
 _GATED_DELTA_NET = (
     "linear_conv_kernel_dim",
     "linear_num_key_heads",
@@ -347,6 +371,149 @@ def gated_delta_net_spec(config: PretrainedConfig) -> LinearAttentionSpec:
             config.linear_value_head_dim,
         ),
     )
+
+
+# transformers' kinds of layers that keep a fixed-size state (a ``LinearAttentionLayer`` in its caches):
+# alone, or beside the keys and values of an attention in the same layer ("hybrid")
+STATE_KINDS = ("linear_attention", "conv", "hybrid")
+# the dtype a state is measured in: a recurrent state its layer keeps in another one (Mamba-2's, in
+# float32) is kept in that one on a server too
+_MEASURE_DTYPE = torch.bfloat16
+
+
+def state_spec(config: PretrainedConfig, block_index: int, layer_type: str) -> CacheSpec:
+    """The state of a ``linear_attention``, ``conv`` or ``hybrid`` layer as its block hands it to its cache
+    (``measured_state``, of the block the config's ``block_class`` builds), beside the attention's keys
+    and values in a hybrid layer. ``UnservedSpec`` where core cannot measure it (a config without a
+    block class, a layer of several convolutions, a forward the meta device cannot run): a server then
+    refuses the block in one line instead of keeping a state of the wrong shape."""
+    state = _cached_state(config, block_index, layer_type)
+    if state is None:
+        return UnservedSpec(layer_type, _UNMEASURED if getattr(type(config), "block_class", None) else "")
+    if layer_type != "hybrid":
+        return state
+    return HybridSpec(attention=FullAttentionSpec(**attention_sizes(config, block_index)), state=state)
+
+
+_UNMEASURED = (
+    "core could not measure the state its block hands its cache (one depthwise convolution and a step on "
+    "the meta device), or a step of several tokens would ignore the state earlier steps left; a plugin "
+    "may return the spec from its cache_spec hook"
+)
+
+
+def measured_state(block: torch.nn.Module, block_index: int, hidden_size: int) -> LinearAttentionSpec | None:
+    """What the state-space or convolution mixer of ``block`` (built on the meta device) hands
+    transformers' cache, measured on the meta device: a first step of one token into a
+    ``LinearAttentionLayer``, then a step of two tokens after it.
+
+    The mixer is the module holding the block's one depthwise ``nn.Conv1d`` (Mamba-2's over its ``x``,
+    ``B`` and ``C``; a short convolution's over its input). Transformers' layer keeps the last ``kernel``
+    inputs of the channels handed to ``update_conv_state`` and the tensor handed to
+    ``update_recurrent_state`` (nothing for a short convolution), in that tensor's dtype. None where the
+    block has no such convolution or several, where its forward needs values (the meta device has none),
+    where what it hands the cache is not that convolution's input, or where the second step's output
+    does not depend on every state the first one left (autograd's graph says, with no values): a layer
+    whose steps of several tokens start afresh (transformers' Mamba-1 scan) would be served wrong after
+    a session's first step."""
+    from transformers.cache_utils import Cache, LinearAttentionLayer
+
+    convolutions = [name for name, module in block.named_modules() if _depthwise(module)]
+    if len(convolutions) != 1:
+        return None
+    conv = block.get_submodule(convolutions[0])
+    mixer = block.get_submodule(convolutions[0].rpartition(".")[0]).to("meta", _MEASURE_DTYPE)
+    cache = Cache(layers=[LinearAttentionLayer() for _ in range(block_index + 1)])
+    layer = cache.layers[block_index]
+    try:  # whatever stops a forward, the state is not measured: the block is refused
+        _meta_step(mixer, cache, 1, hidden_size)
+        conv_state, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+        kept = _traced_states(layer)
+        output = _meta_step(mixer, cache, 2, hidden_size)
+    except Exception:
+        return None
+    conv_dim, kernel = conv.in_channels, conv.kernel_size[0]
+    if conv_state is None or tuple(conv_state.shape[1:]) != (conv_dim, kernel):
+        return None
+    if not all(_depends_on(output, state) for state in kept):
+        return None
+    if recurrent is None:
+        return LinearAttentionSpec(conv_dim=conv_dim, conv_kernel=kernel, recurrent_shape=None)
+    return LinearAttentionSpec(
+        conv_dim=conv_dim,
+        conv_kernel=kernel,
+        recurrent_shape=tuple(recurrent.shape[1:]),
+        recurrent_dtype=None if recurrent.dtype == _MEASURE_DTYPE else recurrent.dtype,
+    )
+
+
+def _depthwise(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels == module.out_channels
+
+
+def _meta_step(mixer: torch.nn.Module, cache, tokens: int, hidden_size: int) -> torch.Tensor:
+    """The mixer's output for ``tokens`` new tokens on the meta device (with autograd's graph)."""
+    with torch.device("meta"), torch.enable_grad():
+        output = mixer(torch.zeros(1, tokens, hidden_size, dtype=_MEASURE_DTYPE), cache=cache)
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _traced_states(layer) -> list[torch.Tensor]:
+    """Put copies of leaves autograd traces in place of ``layer``'s states (copies: the layer writes its
+    next states into them in place); the leaves."""
+    leaves = []
+    for states in (layer.conv_states, layer.recurrent_states):
+        if states[0] is not None:
+            leaf = torch.zeros_like(states[0], requires_grad=True)
+            states[0] = leaf.clone()
+            leaves.append(leaf)
+    return leaves
+
+
+def _depends_on(output: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether autograd's graph of ``output`` reaches ``leaf``."""
+    seen, nodes = set(), [output.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is leaf:
+            return True
+        nodes.extend(following for following, _ in node.next_functions)
+    return False
+
+
+# what each block class hands its cache as a state, per (class, config, layer type): a server asks once
+# per block, and a planner once per block of every candidate span
+_STATES: dict[tuple, LinearAttentionSpec | None] = {}
+
+
+def _cached_state(config: PretrainedConfig, block_index: int, layer_type: str) -> LinearAttentionSpec | None:
+    """``measured_state`` of block ``block_index`` as the config's block class builds it (None for a
+    config without one); layers of one type share their state's sizes, so each type is built once."""
+    if getattr(type(config), "block_class", None) is None:
+        return None
+    from petals.block import block_class_of
+
+    block_class = block_class_of(config, block_index)
+    key = (block_class, type(config), config.to_json_string(use_diff=False), layer_type)
+
+    def measure() -> LinearAttentionSpec | None:
+        with torch.device("meta"):
+            block = block_class(config, block_index)
+        return measured_state(block, block_index, config.hidden_size)
+
+    return _memoized(_STATES, key, measure)
+
+
+def _memoized(table: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``table[key]``, computed on first use (a table past 256 entries starts again)."""
+    if key not in table:
+        if len(table) >= 256:
+            table.clear()
+        table[key] = compute()
+    return table[key]
 
 
 def kv_source(config: PretrainedConfig, block_index: int) -> int | None:
@@ -497,21 +664,15 @@ def _cached_widths(
         layer_types[block_index] if layer_types is not None and block_index < len(layer_types) else None
     )
     key = (attn_class, type(config), config.to_json_string(use_diff=False), layer_type)
-    if key not in _WIDTHS:
-        if len(_WIDTHS) >= 256:
-            _WIDTHS.clear()
-        _WIDTHS[key] = _built_widths(attn_class, config, block_index)
-    return _WIDTHS[key]
+    return _memoized(_WIDTHS, key, lambda: _built_widths(attn_class, config, block_index))
 
 
 def _built_widths(
     attn_class: type, config: PretrainedConfig, block_index: int
 ) -> tuple[int | None, int, int] | None:
-    with torch.device("meta"):
-        try:
-            attention = attn_class(config, block_index)
-        except TypeError:  # an attention class that takes no layer index
-            attention = attn_class(config)
+    attention = _meta_attention(attn_class, config, block_index)
+    if attention is None:
+        return None
     latent = latent_widths(attention)
     if latent is not None:  # one "head", read by every query head
         return 1, *latent
@@ -519,3 +680,16 @@ def _built_widths(
     if not isinstance(k_proj, torch.nn.Linear) or not isinstance(v_proj, torch.nn.Linear):
         return None
     return None, k_proj.out_features, v_proj.out_features
+
+
+def _meta_attention(attn_class: type, config: PretrainedConfig, block_index: int) -> torch.nn.Module | None:
+    """``attn_class`` built on the meta device from the config (and the layer index, where it takes one);
+    None for a class built from other arguments (its layer passes them): the config's sizes count then,
+    and the kit checks them against what the layers cache."""
+    for arguments in ((config, block_index), (config,)):
+        try:
+            with torch.device("meta"):
+                return attn_class(*arguments)
+        except Exception:  # noqa: BLE001 - any failure means: not built from these arguments
+            continue
+    return None

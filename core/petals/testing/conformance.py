@@ -42,6 +42,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from petals.auto import AutoDistributedConfig
-from petals.block import block_class_of, cache_spec, make_block, shared_kv_kwargs
+from petals.block import LayerListStandIn, block_class_of, cache_spec, make_block, shared_kv_kwargs
 from petals.config import DistributedConfigMixin, validate_dht_prefix
 from petals.kv_cache import (
     PAGE_TOKENS,
@@ -252,14 +253,18 @@ def _save_random_model(config: PretrainedConfig, path: Path, seed: int) -> PreTr
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-class _TwoServers(torch.nn.Module):
+class _TwoServers(LayerListStandIn):
     """Stands in for the whole layer list: runs our blocks, split in two halves with separate caches."""
 
-    def __init__(self, blocks: list[torch.nn.Module], output_is_tuple: bool) -> None:
+    def __init__(self, blocks: list[torch.nn.Module], config: PretrainedConfig) -> None:
         super().__init__()
         self.blocks = blocks  # a plain list: not registered, so the HF model's state is untouched
-        self.output_is_tuple = output_is_tuple
+        self.config = config
+        self.output_is_tuple = config.block_output_is_tuple
         self.caches: list | None = None
+
+    def layer_list_config(self) -> PretrainedConfig:
+        return self.config
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         caches = self.caches if self.caches is not None else [None] * len(self.blocks)
@@ -293,12 +298,10 @@ def _check_exactness(
     generator = torch.Generator().manual_seed(schedule.seed)
     vocab, batch_size, atol = config.vocab_size, schedule.batch_size, schedule.atol
     inputs = [torch.randint(0, vocab, (batch_size, n), generator=generator) for n in schedule.step_lengths]
-    chain = _TwoServers(blocks, config.block_output_is_tuple)  # its caches start as None: no cache
+    chain = _TwoServers(blocks, config)  # its caches start as None: no cache
     compare = functools.partial(_compare_logits, report, config.model_type, atol, blocks[0], reference)
 
-    def ours(input_ids: torch.Tensor) -> torch.Tensor:
-        with _layers_replaced(reference, config.block_prefix, chain):
-            return reference(input_ids=input_ids, use_cache=False).logits
+    ours = functools.partial(_ours, reference, config.block_prefix, chain)
 
     with torch.no_grad():
         full_sequence = torch.cat(inputs, dim=1)
@@ -311,7 +314,7 @@ def _check_exactness(
         assert {id(c) for c in server_caches[:half]}.isdisjoint(id(c) for c in server_caches[half:])
         chain.caches = server_caches
         for index, input_ids in enumerate(inputs):
-            expected = reference(input_ids=input_ids, cache=reference_cache, use_cache=True).logits
+            expected = _cached_step(reference, input_ids, reference_cache)
             compare(f"step {index} ({input_ids.shape[1]} tokens)", expected, ours(input_ids))
         assert all(cache.position == full_sequence.shape[1] for cache in server_caches)
         _check_held(config, specs, server_caches)
@@ -322,7 +325,7 @@ def _check_exactness(
         for cache in server_caches:
             cache.reorder(hypo_ids)
         next_ids = torch.randint(0, vocab, (batch_size, 1), generator=generator)
-        expected = reference(input_ids=next_ids, cache=reference_cache, use_cache=True).logits
+        expected = _cached_step(reference, next_ids, reference_cache)
         compare("step after hypo_ids reorder", expected, ours(next_ids))
 
         # start_from_position: rewinding forgets the last step; replaying it gives the same logits
@@ -342,6 +345,31 @@ def _check_exactness(
             next_ids,
             expected,
         )
+
+
+def _ours(
+    reference: PreTrainedModel, block_prefix: str, chain: _TwoServers, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """Our blocks in transformers' model, given the step's positions as a client gives them."""
+    position = chain.caches[0].position if chain.caches else 0
+    with _layers_replaced(reference, block_prefix, chain):
+        return reference(
+            input_ids=input_ids, use_cache=False, **_positions(reference, input_ids, position)
+        ).logits
+
+
+def _cached_step(reference: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """transformers' logits for a step on its cache, the step's positions given as ``generate`` gives them
+    (a model may number a step's tokens from 0 when it is given none)."""
+    positions = _positions(reference, input_ids, cache.get_seq_length())
+    return reference(input_ids=input_ids, cache=cache, use_cache=True, **positions).logits
+
+
+def _positions(reference: PreTrainedModel, input_ids: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+    """``position_ids`` from ``start`` on, where the model takes them."""
+    if "position_ids" not in inspect.signature(reference.forward).parameters:
+        return {}
+    return {"position_ids": torch.arange(start, start + input_ids.shape[1]).expand_as(input_ids)}
 
 
 def _check_resume_and_failover(
