@@ -7,7 +7,9 @@ first-party distribution, between its ``<!-- families:start -->`` and ``<!-- fam
     python docs/families.py --check  # exit 1 if either is not what this writes
 
 The rows come from ``petals.families_report`` (what ``petals plugins --families`` prints) over the
-installed plugins. A model type's tests are the test files naming its transformers config class or its
+installed plugins; what the conformance kit made of each text-only causal-LM type with the generic plugin
+(the three-line form made from transformers' own code: served exactly, refused, broken) from
+``docs/families_sweep.json``, which ``python docs/families_sweep.py`` writes. A model type's tests are the test files naming its transformers config class or its
 quoted model type (or importing a helper module beside them that does): those running the conformance
 kit (``check_family``), and those starting real ``petals serve`` processes (servers running inside the
 test's own process do not count).
@@ -15,9 +17,11 @@ test's own process do not count).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 import transformers
@@ -30,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "families.md"
 README = ROOT / "README.md"
 README_START, README_END = "<!-- families:start -->", "<!-- families:end -->"
+SWEEP = ROOT / "docs" / "families_sweep.json"
 KIT = ["petals_*/tests/*.py", "plugins/*/tests/*.py", "tests/test_conformance.py"]
 SERVERS = [
     "tests/test_swarm*.py", "tests/test_server_swarm.py", "tests/test_e2e_*.py", "tests/test_gguf.py",
@@ -83,9 +88,10 @@ def distributions(folders: str) -> dict[str, str]:
     return found
 
 
-def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) -> str:
+def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str], sweep: dict) -> str:
     first_party, examples = distributions("petals_*"), distributions("plugins/*")
     others = [row for row in rows if row.plugin is None]
+    swept = sweep.get("types", {})
     lines = [
         "# Model families",
         "",
@@ -97,6 +103,10 @@ def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) ->
         "convolution layers). The tests of a type are those naming it: the ones running the conformance "
         "kit, and the ones starting real `petals serve` processes (not servers in the test's own process). "
         f"Model types from transformers {transformers.__version__}.",
+        "",
+        "## The generic plugin on every text-only causal-LM type",
+        "",
+        *sweep_summary(sweep),
     ]
     for title, plugins in (
         ("the first-party plugins", first_party),
@@ -107,8 +117,9 @@ def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) ->
             "",
             f"## Served by {title} ({len(served)} model types)",
             "",
-            "| model type | plugin | cache kinds (default config) | conformance kit | through real `petals serve` |",
-            "|---|---|---|---|---|",
+            "| model type | plugin | cache kinds (default config) | conformance kit | through real `petals serve` "
+            "| the generic plugin alone |",
+            "|---|---|---|---|---|---|",
         ]
         for row in served:
             kinds = ", ".join(row.cache_kinds) or row.note
@@ -116,23 +127,99 @@ def page(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) ->
                 kinds += f"; {row.note}"
             lines.append(
                 f"| `{row.model_type}` | {plugins[row.plugin]} | {kinds} | {cell(naming(kit, row.model_type))} "
-                f"| {cell(naming(servers, row.model_type))} |"
+                f"| {cell(naming(servers, row.model_type))} | {sweep_cell(swept.get(row.model_type), short=True)} |"
             )
     lines += [
         "",
-        f"## Not served ({len(others)} model types of transformers' causal-LM mapping)",
+        f"## Not served by a plugin ({len(others)} model types of transformers' causal-LM mapping)",
         "",
-        "| model type | cache kinds | why |",
+        "| model type | cache kinds | the generic plugin (the kit), or why it is not swept |",
         "|---|---|---|",
     ]
-    lines += [f"| `{row.model_type}` | {', '.join(row.cache_kinds) or '-'} | {row.note} |" for row in others]
+    lines += [
+        f"| `{row.model_type}` | {', '.join(row.cache_kinds) or '-'} "
+        f"| {sweep_cell(swept[row.model_type]) if row.model_type in swept else row.note} |"
+        for row in others
+    ]
     return "\n".join(lines) + "\n"
 
 
-def readme_table(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str]) -> str:
-    """One row per first-party distribution: its model types, their cache kinds, the tests verifying them."""
+def sweep_cell(entry: dict | None, short: bool = False) -> str:
+    """A type's result with the generic plugin, for a table cell."""
+    if entry is None:
+        return "-"
+    if entry["status"] == "exact":
+        return (
+            "exact"
+            if short
+            else f"served exactly by the generic plugin (max \\|diff\\| {entry['max_abs_diff']:.1e})"
+        )
+    finding = f" Found: {entry['finding']}" if entry.get("finding") else ""
+    return f"{entry['status']}: {entry['reason']}{finding}".replace("|", "\\|")
+
+
+def sweep_counts(sweep: dict) -> tuple[Counter, int]:
+    """Types per status, and how many types were swept."""
+    counts = Counter(entry["status"] for entry in sweep.get("types", {}).values())
+    return counts, sum(counts.values())
+
+
+def sweep_headline(sweep: dict) -> str:
+    counts, swept = sweep_counts(sweep)
+    others = ", ".join(
+        f"{counts[status]} {status}" for status in ("refused", "broken", "untested") if counts[status]
+    )
+    return (
+        f"{counts['exact']} of {swept} text-only causal-LM types of transformers {sweep.get('transformers')} are "
+        f"served exactly by the generic plugin, the three-line form of `plugins/README.md` made from "
+        f"transformers' own code ([docs/families_sweep.json](docs/families_sweep.json), swept {sweep.get('date')}); "
+        f"{others}"
+    )
+
+
+def refused_groups(sweep: dict) -> list[tuple[str, list[str]]]:
+    """The refused types by reason, the most common reason first."""
+    groups: dict[str, list[str]] = {}
+    for model_type, entry in sweep.get("types", {}).items():
+        if entry["status"] == "refused":
+            groups.setdefault(entry.get("group") or entry["reason"], []).append(model_type)
+    return sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+
+
+def sweep_summary(sweep: dict) -> list[str]:
+    if not sweep.get("types"):
+        return ["Not swept yet: run `python docs/families_sweep.py`."]
+    swept = sweep["types"]
+    seconds = sum(entry.get("seconds", 0) for entry in swept.values())
+    lines = [
+        f"{sweep_headline(sweep).replace('(docs/families_sweep.json)', '(families_sweep.json)')}. The kit ran each type on a tiny config of it (`petals.testing.generic`), "
+        f"in {seconds / 60:.0f} minutes in all; {len(sweep.get('not_text_decoders', {}))} types of the mapping "
+        "are no text-only decoder and not swept (encoders, decoders of encoder-decoder models, multimodal "
+        "wrappers: the last are swept as their text model). Refused, by reason:",
+        "",
+    ]
+    lines += [f"- {group} ({len(types)}): {_types(types)}" for group, types in refused_groups(sweep)]
+    for status in ("broken", "untested"):
+        found = {model_type: entry for model_type, entry in swept.items() if entry["status"] == status}
+        if found:
+            lines += ["", f"{status.capitalize()} ({len(found)}):", ""]
+            lines += [f"- `{model_type}`: {sweep_cell(entry)}" for model_type, entry in found.items()]
+    return lines
+
+
+def _types(types: list[str]) -> str:
+    return ", ".join(f"`{model_type}`" for model_type in types)
+
+
+def readme_table(rows: list[FamilyRow], kit: dict[str, str], servers: dict[str, str], sweep: dict) -> str:
+    """The generic plugin's count and refused kinds; then one row per first-party distribution: its model
+    types, their cache kinds, the tests verifying them."""
+    refused = "; ".join(f"{group} ({len(types)})" for group, types in refused_groups(sweep))
     lines = [
         README_START,
+        f"{sweep_headline(sweep)}. Refused: {refused}. The types, and what is broken, per model type: "
+        "[docs/families.md](docs/families.md).",
+        "",
         "| distribution | model types (* kit only) | cache kinds (default configs) | conformance kit | real `petals serve` |",
         "|---|---|---|---|---|",
     ]
@@ -167,9 +254,10 @@ def with_readme_table(readme: str, table: str) -> str:
 def main(argv: list[str]) -> int:
     rows = family_rows(get_plugin_manager())
     kit, servers = test_files(KIT, USES_KIT, helpers=True), test_files(SERVERS, STARTS_PROCESSES)
+    sweep = json.loads(SWEEP.read_text()) if SWEEP.exists() else {}
     written = {
-        PAGE: page(rows, kit, servers),
-        README: with_readme_table(README.read_text(), readme_table(rows, kit, servers)),
+        PAGE: page(rows, kit, servers, sweep),
+        README: with_readme_table(README.read_text(), readme_table(rows, kit, servers, sweep)),
     }
     if "--check" in argv:
         stale = [path for path, text in written.items() if path.read_text() != text]
@@ -179,6 +267,13 @@ def main(argv: list[str]) -> int:
                 f"{PAGE.relative_to(ROOT)} lists transformers {written_with.group(1)}'s model types, this "
                 f"environment has {transformers.__version__}: install the newest (make install) or run "
                 "python docs/families.py",
+                file=sys.stderr,
+            )
+        if sweep.get("transformers") not in (None, transformers.__version__):
+            print(
+                f"{SWEEP.relative_to(ROOT)} was swept with transformers {sweep['transformers']}, this environment "
+                f"has {transformers.__version__}: run python docs/families_sweep.py --redo, then python "
+                "docs/families.py",
                 file=sys.stderr,
             )
         for path in stale:

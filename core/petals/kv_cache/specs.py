@@ -396,9 +396,9 @@ def state_spec(config: PretrainedConfig, block_index: int, layer_type: str) -> C
 
 
 _UNMEASURED = (
-    "core could not measure the state its block hands its cache (one depthwise convolution and a step on "
-    "the meta device), or a step of several tokens would ignore the state earlier steps left; a plugin "
-    "may return the spec from its cache_spec hook"
+    "its state could not be measured from its block, or a step of several tokens ignores the state earlier "
+    "steps left (core runs the mixer holding the block's one depthwise convolution on the meta device); a "
+    "plugin may return the spec from its cache_spec hook"
 )
 
 
