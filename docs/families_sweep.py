@@ -107,9 +107,8 @@ FINDINGS: dict[str, str] = {
         "module keeps parameters per attention type only, and has none for the conv layers (KeyError 'conv')"
     ),
     "ergo": (
-        "in the kit's check of each block's layer class (conformance.py, being extended while this was swept): "
-        "a zip of unequal lengths; swept before that change, RotaryBlockMixin's call of ErgoRotaryEmbedding with "
-        "the block's layer type failed (KeyError 'full_attention')"
+        "its model zips its layer types with its layer list strictly (zip(..., strict=True)): the one module "
+        "the kit and the client put in the layer list in place of all layers (the remote chain) is shorter"
     ),
     "gemma4_text": (
         "per-layer inputs: transformers' model hands each layer its per_layer_input (from the token ids), which "
