@@ -58,6 +58,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
     ),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),  # its default fails its own validation
+    # its attention config's defaults leave rope_theta and clip_qkv unset, which its model reads
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),
     # the default pattern has no attention layer in four (its layers are placed by period or index)
     "bamba": dict(attn_layer_indices=[1, 3]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
@@ -88,6 +90,11 @@ FINDINGS: dict[str, str] = {
     "lara_mini": CONVERTED_WITHOUT_MODEL,
     "gemma3n_text": NON_PERSISTENT.format(name="altup.router_input_scale"),
     "falcon_mamba": NON_PERSISTENT.format(name="the weightless norms' weight, a ones vector"),
+    "dbrx": (
+        "its config's num_key_value_heads (1) is not its attention's kv_n_heads (attn_config: 2 here), and the "
+        "attention projects queries, keys and values with one fused Wqkv: core's default reads the former and "
+        "finds no k_proj to read the width from, so its spec has one key/value head where the layer has two"
+    ),
     "mimo_v2_flash": (
         "attention sinks on sliding layers with twice the config's key/value heads (num_key_value_heads * 2): "
         "core reads k_proj's width (4 heads of 16) and divides it by the config's 2 heads, so its spec says 32 "
