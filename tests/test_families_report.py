@@ -93,8 +93,9 @@ def test_docs_families_md_is_what_its_script_writes():
     assert result.returncode == 0, result.stderr
 
 
-def docs_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_families", ROOT / "docs" / "families.py")
+def docs_script(name: str = "families") -> types.ModuleType:
+    """``docs/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", ROOT / "docs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -142,15 +143,8 @@ def test_the_guides_three_line_plugin_passes_the_kit(tmp_path):
     assert report.cache_specs[0].bytes_per_token(torch.float32) == 2 * 2 * 16 * 4
 
 
-def sweep_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_families_sweep", ROOT / "docs" / "families_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_sweep_covers_every_causal_lm_type_of_this_transformers():
-    sweep = sweep_script()
+    sweep = docs_script("families_sweep")
     results = sweep.load_results()
     assert results["transformers"] == transformers.__version__
     assert set(results["types"]).isdisjoint(results["not_text_decoders"])
@@ -173,7 +167,7 @@ def test_the_sweep_covers_every_causal_lm_type_of_this_transformers():
     ],
 )
 def test_the_sweeps_json_is_what_its_code_finds(model_type, tmp_path):
-    sweep = sweep_script()
+    sweep = docs_script("families_sweep")
     recorded = sweep.load_results()["types"][model_type]
     found = sweep.sweep_one(model_type, tmp_path)
     assert found["status"] == recorded["status"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import os
@@ -176,7 +177,7 @@ class DistributedModelMixin:
         session = self.remote_blocks.active_session
         if session is None or not session.position or kwargs.get("position_ids") is not None or len(args) > 2:
             return kwargs
-        if "position_ids" not in inspect.signature(super().forward).parameters:
+        if not _takes_position_ids(super().forward):
             return kwargs
         inputs = (
             kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
@@ -376,6 +377,16 @@ def _prepend_prompts(model: DistributedModelMixin):
         return torch.cat([prompts.to(embeddings.dtype), embeddings], dim=1)
 
     return hook
+
+
+@functools.cache
+def _takes_parameter(forward: Any, name: str) -> bool:
+    return name in inspect.signature(forward).parameters
+
+
+def _takes_position_ids(bound_forward: Any) -> bool:
+    """Whether the model's forward takes ``position_ids`` (read once per class: steps ask every time)."""
+    return _takes_parameter(bound_forward.__func__, "position_ids")
 
 
 def _checkpoint_key(name: str, weight_map: dict[str, str], base_prefix: str, model_type: str) -> str | None:
